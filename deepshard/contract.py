@@ -1,0 +1,94 @@
+"""What the launcher and the runtime agree on, and nothing else.
+
+This is the only module both sides import. It names the environment variables a worker
+receives and defines the line protocol an agent speaks to the coordinator on its channel
+(the stdout of a local pipe, an SSH session or an srun step). It must stay torch-free.
+
+Agent → coordinator, one line each, UTF-8:
+
+* ``o <rank> <text>``: a line the worker ``rank`` printed (stdout and stderr merged);
+* ``e <json>``: an :class:`Event`, a JSON object with at least ``"kind"``.
+
+Coordinator → agent: the first line on the agent's stdin is its node plan as JSON
+(so that no value ever passes through a shell or shows in ``ps``); closing stdin (EOF)
+tells the agent to stop its workers and exit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# --- the environment contract every worker receives ---------------------------------------
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+NODE_RANK = "NODE_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+RUN_ID = "DEEPSHARD_RUN_ID"
+"""Identifies one ``ds-run`` invocation; the same across restarts of the job."""
+RESTART_COUNT = "DEEPSHARD_RESTART_COUNT"
+"""How many times the job was relaunched (0 on the first attempt)."""
+
+# --- agent events ---------------------------------------------------------------------------
+EV_STARTED = "started"
+"""All workers of a node are running: ``pids`` maps rank -> pid."""
+EV_EXITED = "exited"
+"""A worker ended: ``rank``, ``returncode`` (negative = killed by that signal)."""
+EV_ERROR = "error"
+"""The agent could not do its job (a worker failed to start): ``message``."""
+EV_DONE = "done"
+"""The agent has stopped every worker and is about to exit."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event from an agent: its ``kind`` (one of the ``EV_*`` names) and its fields."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+@dataclass(frozen=True)
+class Output:
+    """One line of a worker's output, without its newline."""
+
+    rank: int
+    text: str
+
+
+def encode_event(kind: str, **fields: Any) -> str:
+    """The protocol line (with newline) for an event."""
+    return "e " + json.dumps({"kind": kind, **fields}, separators=(",", ":")) + "\n"
+
+
+def encode_output(rank: int, text: str) -> str:
+    """The protocol line (with newline) for one line of worker output."""
+    return f"o {rank} {text}\n"
+
+
+def decode_line(line: str) -> Event | Output | None:
+    """Parse one protocol line; ``None`` for a line that is neither (e.g. a stray print)."""
+    line = line.rstrip("\n")
+    if line.startswith("o "):
+        rank, _, text = line[2:].partition(" ")
+        if rank.isdigit():
+            return Output(int(rank), text)
+    elif line.startswith("e "):
+        try:
+            data = json.loads(line[2:])
+        except ValueError:
+            return None
+        if isinstance(data, dict) and isinstance(data.get("kind"), str):
+            kind = data.pop("kind")
+            return Event(kind, data)
+    return None

@@ -1,0 +1,341 @@
+"""The per-node agent: starts this node's workers, relays their output, and stops them.
+
+Run as ``python -m deepshard.launcher.agent``; the first line on stdin is the
+:class:`~.plan.NodePlan` as JSON. The agent then
+
+* starts one worker per slot, each in its own session (process group), with the env
+  contract, ``OMP_NUM_THREADS`` (cores / workers unless the user set it) and, when asked,
+  its own cores;
+* relays every output line (stdout and stderr merged) on its stdout, and to
+  ``<log_dir>/rank_<N>.log`` when a log directory is given;
+* reports ``started``/``exited``/``done`` events (:mod:`deepshard.contract`);
+* stops every worker (SIGTERM, grace, SIGKILL, to the whole process group and to any
+  orphaned descendant, which it collects as the child subreaper) when a worker fails, when
+  it receives SIGTERM/SIGINT/SIGHUP, or when its stdin closes: it dies with its channel.
+
+States: STARTING → RUNNING → (SUCCEEDED | FAILED | STOPPED). Its exit code is 0 only
+when every worker exited with 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .. import contract
+from .plan import NodePlan, WorkerPlan
+
+_PR_SET_CHILD_SUBREAPER = 36
+_MAX_LINE = 1 << 16
+
+
+class AgentState(enum.Enum):
+    """STARTING → RUNNING when every worker started (→ FAILED if one cannot start);
+    RUNNING → SUCCEEDED when all exited with 0, → FAILED on the first non-zero exit,
+    → STOPPED when told to stop (signal or closed channel). Every end state has stopped
+    all workers."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Worker:
+    plan: WorkerPlan
+    proc: subprocess.Popen[bytes]
+    reader: threading.Thread
+    returncode: int | None = None
+    reported: bool = False
+
+
+class _Channel:
+    """Thread-safe writer of protocol lines; notices when the coordinator is gone."""
+
+    def __init__(self, stream: BinaryIO, on_broken: Callable[[], None]):
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._on_broken = on_broken
+        self.broken = False
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            if self.broken:
+                return
+            try:
+                self._stream.write(line.encode("utf-8", "surrogateescape"))
+                self._stream.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.broken = True
+                self._on_broken()
+
+
+def core_sets(cores: list[int], workers: int) -> list[list[int]]:
+    """Disjoint, equal blocks of cores per worker; round-robin single cores if too few."""
+    per = len(cores) // workers
+    if per == 0:
+        return [[cores[i % len(cores)]] for i in range(workers)]
+    return [cores[i * per:(i + 1) * per] for i in range(workers)]
+
+
+class Agent:
+    """Runs one node's workers to completion (see the module docstring)."""
+
+    def __init__(self, node: NodePlan, out: BinaryIO):
+        self.node = node
+        self.state = AgentState.STARTING
+        self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._channel = _Channel(out, lambda: self._events.put(("stop", "channel closed")))
+        self._workers: list[_Worker] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> int:
+        _become_subreaper()
+        try:
+            self._start_workers()
+        except OSError as exc:
+            self._channel.write(contract.encode_event(
+                contract.EV_ERROR, host=self.node.host,
+                message=f"cannot start worker: {exc.strerror or exc}: {exc.filename or ''}"))
+            self.state = AgentState.FAILED
+            self._stop_all()
+        else:
+            self.state = AgentState.RUNNING
+            self._channel.write(contract.encode_event(
+                contract.EV_STARTED, host=self.node.host,
+                pids={str(w.plan.rank): w.proc.pid for w in self._workers}))
+            self._monitor()
+        self._channel.write(contract.encode_event(
+            contract.EV_DONE, host=self.node.host, state=self.state.value))
+        return 0 if self.state is AgentState.SUCCEEDED else 1
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the monitor loop to stop all workers (safe from signal handlers)."""
+        self._events.put(("stop", reason))
+
+    def _monitor(self) -> None:
+        pending = len(self._workers)
+        while pending:
+            kind, payload = self._events.get()
+            if kind == "stop":
+                self.state = AgentState.STOPPED
+                self._stop_all()
+                return
+            worker = payload
+            assert isinstance(worker, _Worker)
+            pending -= 1
+            self._report_exit(worker)
+            if worker.returncode != 0:
+                self.state = AgentState.FAILED
+                self._stop_all()
+                return
+        self.state = AgentState.SUCCEEDED
+        self._stop_all()  # reaps what the workers left behind
+
+    # -- workers -----------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        node = self.node
+        base = dict(os.environ)
+        base.update(node.env)
+        cores = sorted(os.sched_getaffinity(0))
+        blocks = core_sets(cores, len(node.workers)) if node.bind_cores_to_rank else None
+        if node.log_dir:
+            Path(node.log_dir).mkdir(parents=True, exist_ok=True)
+        for i, plan in enumerate(node.workers):
+            env = dict(base)
+            env.update(plan.env)
+            if contract.OMP_NUM_THREADS not in env:
+                threads = len(blocks[i]) if blocks else max(1, len(cores) // len(node.workers))
+                env[contract.OMP_NUM_THREADS] = str(threads)
+            proc = subprocess.Popen(
+                list(plan.argv), env=env, cwd=node.cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            if blocks:
+                with contextlib.suppress(OSError):  # it may already have exited
+                    os.sched_setaffinity(proc.pid, blocks[i])
+            log = self._open_log(plan.rank)
+            reader = threading.Thread(target=self._relay, args=(plan.rank, proc, log),
+                                      daemon=True, name=f"relay-{plan.rank}")
+            worker = _Worker(plan, proc, reader)
+            reader.start()
+            threading.Thread(target=self._wait, args=(worker,), daemon=True,
+                             name=f"wait-{plan.rank}").start()
+            self._workers.append(worker)
+
+    def _open_log(self, rank: int) -> BinaryIO | None:
+        if not self.node.log_dir:
+            return None
+        return open(Path(self.node.log_dir) / f"rank_{rank}.log", "ab", buffering=0)  # noqa: SIM115
+
+    def _relay(self, rank: int, proc: subprocess.Popen[bytes], log: BinaryIO | None) -> None:
+        assert proc.stdout is not None
+        try:
+            for raw in iter(lambda: proc.stdout.readline(_MAX_LINE), b""):
+                if log is not None:
+                    log.write(raw)
+                text = raw.rstrip(b"\n").decode("utf-8", "replace")
+                self._channel.write(contract.encode_output(rank, text))
+        finally:
+            if log is not None:
+                log.close()
+
+    def _wait(self, worker: _Worker) -> None:
+        worker.returncode = worker.proc.wait()
+        self._events.put(("exit", worker))
+
+    def _report_exit(self, worker: _Worker) -> None:
+        # output a child printed before dying reaches the coordinator before its exit event;
+        # a grandchild holding the pipe open must not delay the report for long
+        worker.reader.join(timeout=1.0)
+        worker.reported = True
+        self._channel.write(contract.encode_event(
+            contract.EV_EXITED, host=self.node.host, rank=worker.plan.rank,
+            returncode=worker.returncode))
+
+    def _stop_all(self) -> None:
+        """TERM every remaining worker group and descendant, wait the grace, then KILL."""
+        live = [w for w in self._workers if w.returncode is None]
+        _signal_all(live, signal.SIGTERM)
+        deadline = time.monotonic() + self.node.stop_grace
+        for w in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _signal_all(live, signal.SIGKILL)
+        for w in self._workers:
+            if not w.reported:
+                w.returncode = w.proc.wait()
+                self._report_exit(w)
+        _kill_orphans(max(0.0, deadline - time.monotonic()))
+
+
+def _signal_all(workers: list[_Worker], sig: signal.Signals) -> None:
+    for w in workers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, sig)
+    _signal_descendants(sig)
+
+
+def _signal_descendants(sig: signal.Signals) -> list[int]:
+    """Signal every descendant of this agent; returns their pids."""
+    if not _has_children():
+        return []
+    pids = _descendants(os.getpid())
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+    return pids
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_orphans(grace: float) -> None:
+    """Stop and reap descendants that outlived their worker (adopted by us as subreaper)."""
+    if not _signal_descendants(signal.SIGTERM):
+        _reap()
+        return
+    deadline = time.monotonic() + grace
+    while _reap() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_descendants(signal.SIGKILL)
+    while _reap():
+        time.sleep(0.01)
+
+
+def _has_children() -> bool:
+    """Any child, exited or not? As subreaper, no child means no descendant at all."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
+def _reap() -> bool:
+    """Reap exited children; True while any child remains."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants of our workers get reparented to us, so we can stop them."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _watch_stdin(agent: Agent) -> None:
+    """The channel: EOF on stdin means the coordinator is gone or wants us to stop."""
+    # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader's lock makes
+    # the interpreter abort at exit
+    with contextlib.suppress(OSError):
+        while os.read(0, 1 << 12):
+            pass
+    agent.request_stop("channel closed")
+
+
+def _read_plan_line() -> bytes:
+    """The first line of stdin (the coordinator sends nothing after it but EOF)."""
+    data = b""
+    while b"\n" not in data:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return data.partition(b"\n")[0]
+
+
+def main() -> int:
+    line = _read_plan_line()
+    if not line:
+        print("deepshard agent: no node plan on stdin", file=sys.stderr)
+        return 2
+    node = NodePlan.from_json(line.decode("utf-8", "surrogateescape"))
+    agent = Agent(node, sys.stdout.buffer)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: agent.request_stop(signal.Signals(signum).name))
+    # a closed channel must not kill us with SIGPIPE before we have stopped the workers
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    threading.Thread(target=_watch_stdin, args=(agent,), daemon=True, name="channel").start()
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The local backend: the agent is a child process of ds-run, its channel a pair of pipes."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
+from ..plan import NodePlan
+from .base import AgentHandle, Backend
+
+AGENT_MODULE = "deepshard.launcher.agent"
+
+
+class LocalAgent(AgentHandle):
+    def __init__(self, node: NodePlan, python: str):
+        self.node = node
+        # its own session: a Ctrl-C in the terminal reaches ds-run only, which then stops
+        # the agent in order (the agent stops its workers, then reports)
+        self._proc = subprocess.Popen(
+            [python, "-m", AGENT_MODULE],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+        )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(node.to_json().encode("utf-8", "surrogateescape") + b"\n")
+        self._proc.stdin.flush()
+
+    def lines(self) -> Iterator[str]:
+        assert self._proc.stdout is not None
+        for raw in self._proc.stdout:
+            yield raw.decode("utf-8", "surrogateescape")
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.kill()
+
+
+class LocalBackend(Backend):
+    """Runs the agent of a node that is this machine."""
+
+    name = "local"
+
+    def __init__(self, python: str = sys.executable):
+        self.python = python
+
+    def start(self, node: NodePlan) -> AgentHandle:
+        return LocalAgent(node, self.python)

@@ -1,0 +1,167 @@
+"""``ds-run``: DeepSpeed's launcher command line, on the deepshard launch path.
+
+argv → LaunchOptions → Resources → Placement → LaunchPlan → backend → coordinator.
+Everything before the backend is checked first, so bad input exits with code 2 and a
+one-line message before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from .. import __version__
+from ..errors import EXIT_USAGE, UsageError
+from .options import LaunchOptions
+
+DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default, used when it exists
+
+
+@click.command(
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"],
+                      "max_content_width": 100},
+    help="Launch USER_SCRIPT on every selected slot (GPU, or CPU worker) of every host.",
+)
+@click.option("-H", "--hostfile", default=None, metavar="PATH",
+              help=f"Hostfile of 'hostname slots=N' lines [default: {DEFAULT_HOSTFILE} if it "
+                   "exists, else this machine].")
+@click.option("-i", "--include", default=None, metavar="SEL",
+              help="Only these hosts/slots, e.g. 'worker-0:0,2@worker-1'.")
+@click.option("-e", "--exclude", default=None, metavar="SEL",
+              help="All hosts/slots except these, same grammar as --include.")
+@click.option("--num_nodes", type=click.IntRange(min=1), default=None,
+              help="Use the first N hosts.")
+@click.option("--num_gpus", "--num_accelerators", "num_gpus", type=click.IntRange(min=1),
+              default=None,
+              help="Slots per host; without GPUs, the number of CPU workers [default: 1].")
+@click.option("--master_addr", default=None, help="Rendezvous address [default: 127.0.0.1 "
+              "when every host is this machine].")
+@click.option("--master_port", type=click.IntRange(1, 65535), default=None,
+              help="Rendezvous port [default: a free port].")
+@click.option("--launcher", type=click.Choice(["local"]), default="local", show_default=True,
+              help="How agents are started on nodes.")
+@click.option("--launcher_args", default="", help="Extra arguments for the launcher backend.")
+@click.option("--module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
+@click.option("--no_python", is_flag=True, help="Run USER_SCRIPT directly, not with python.")
+@click.option("--no_local_rank", is_flag=True,
+              help="Do not pass --local_rank=N to the script.")
+@click.option("--log_dir", "--enable_each_rank_log", "log_dir", default=None, metavar="DIR",
+              help="Also write each rank's output to DIR/rank_<N>.log on its node.")
+@click.option("--bind_cores_to_rank", is_flag=True,
+              help="Pin each worker to its own block of the host's cores.")
+@click.option("--dry_run", is_flag=True, help="Print the launch plan and exit.")
+@click.version_option(__version__, "--version", prog_name="ds-run")
+@click.argument("user_script")
+@click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
+def ds_run(**params: object) -> int:
+    options = LaunchOptions(**{**params, "user_args": tuple(params["user_args"])})  # type: ignore[arg-type]
+    return launch(options)
+
+
+def launch(options: LaunchOptions) -> int:
+    """Plan the job (raising :class:`UsageError` on bad input), then run it."""
+    from .backends import BACKENDS  # noqa: PLC0415
+    from .coordinator import Coordinator  # noqa: PLC0415
+
+    plan = make_plan(options)
+    if options.dry_run:
+        from .render import render_plan  # noqa: PLC0415
+
+        render_plan(plan, sys.stdout)
+        return 0
+    remote = [n.host for n in plan.nodes if not n.local]
+    if remote:
+        raise UsageError(
+            f"host {remote[0]!r} is not this machine, and the '{options.launcher}' launcher "
+            "starts workers on this machine only",
+            where=options.hostfile or DEFAULT_HOSTFILE,
+            hint="use a hostfile naming localhost, or --include localhost",
+        )
+    backend = BACKENDS[options.launcher]()
+    return Coordinator(plan, backend).run()
+
+
+def make_plan(options: LaunchOptions):  # -> LaunchPlan (import kept lazy for start-up time)
+    """Every check and decision before anything starts; pure but for reading named files."""
+    from .env_file import read_env_files  # noqa: PLC0415
+    from .hostfile import read_hostfile  # noqa: PLC0415
+    from .placement import place, select  # noqa: PLC0415
+    from .plan import build_plan  # noqa: PLC0415
+    from .resources import interface_addresses, is_local, local_names, probe_local  # noqa: PLC0415
+
+    check_script(options)
+    hostfile = options.hostfile
+    if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
+        hostfile = DEFAULT_HOSTFILE
+    if hostfile is not None:
+        resources = read_hostfile(hostfile)
+        names = local_names(interface_addresses())
+    else:
+        resources = probe_local(options.num_gpus, os.environ)
+        names = local_names()
+    selected = select(resources, include_text=options.include, exclude_text=options.exclude,
+                      num_nodes=options.num_nodes,
+                      num_gpus=options.num_gpus if hostfile is not None else None)
+    placement = place(selected)
+    locality = {n.host: is_local(n.host, names) for n in placement.nodes}
+    env_file = read_env_files(os.environ, Path.home(), Path.cwd())
+    master_addr = options.master_addr or (
+        "127.0.0.1" if all(locality.values()) else placement.nodes[0].host)
+    master_port = options.master_port or free_port(master_addr)
+    return build_plan(
+        options, placement, env_file.as_dict(), python=sys.executable, cwd=os.getcwd(),
+        master_addr=master_addr, master_port=master_port,
+        run_id=os.environ.get("DEEPSHARD_RUN_ID") or os.urandom(6).hex(),
+        is_local=locality,
+    )
+
+
+def check_script(options: LaunchOptions) -> None:
+    """The script must exist here (or be on PATH with --no_python) before anything starts."""
+    script = options.user_script
+    if options.module:
+        return
+    if options.no_python:
+        if shutil.which(script) is None:
+            raise UsageError("program not found or not executable", where=script,
+                             hint="give a path or a program on PATH")
+        return
+    if not os.path.isfile(script):
+        raise UsageError("training script not found", where=script,
+                         hint="check the path, or pass --module to run a module")
+
+
+def free_port(address: str) -> int:
+    """A port that is free on ``address`` now (or on any address if it is not ours)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one-line errors with exit code 2, the job's code otherwise."""
+    try:
+        code = ds_run.main(args=argv, prog_name="ds-run", standalone_mode=False)
+    except click.UsageError as exc:
+        hint = "see ds-run --help"
+        sys.stderr.write(f"ds-run: error: {exc.format_message()}. HINT: {hint}\n")
+        sys.exit(EXIT_USAGE)
+    except UsageError as exc:
+        sys.stderr.write(f"ds-run: error: {exc}\n")
+        sys.exit(EXIT_USAGE)
+    except click.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The coordinator: runs a LaunchPlan through a backend and decides the job's outcome.
+
+It starts one agent per node, prints worker output with ``[host:rank]`` prefixes, and
+treats the first worker failure, agent error or lost agent as the failure of the job: every
+agent is told to stop, and once all are gone it prints which rank failed first, how, and
+the last lines it printed. SIGINT/SIGTERM stop the job the same way and give 130/143.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import TextIO
+
+from .. import contract
+from .backends.base import AgentHandle, Backend
+from .plan import LaunchPlan
+
+TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first thing that went wrong in a job."""
+
+    host: str
+    rank: int | None
+    returncode: int | None
+    reason: str
+
+    @property
+    def exit_code(self) -> int:
+        """The worker's exit code, 128+N for a death by signal N, 1 when no worker died."""
+        if self.returncode is None or self.returncode == 0:
+            return 1
+        return self.returncode if self.returncode > 0 else 128 - self.returncode
+
+
+def describe_returncode(returncode: int) -> str:
+    """``exit code 3`` or ``killed by SIGKILL (signal 9)`` for a Popen return code."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"killed by {name} (signal {-returncode})"
+
+
+class Coordinator:
+    """Runs one attempt of a job; :meth:`run` returns ds-run's exit code."""
+
+    def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO = sys.stdout,
+                 err: TextIO = sys.stderr):
+        self.plan = plan
+        self.backend = backend
+        self.out = out
+        self.err = err
+        self._queue: queue.SimpleQueue[tuple[str, int, object]] = queue.SimpleQueue()
+        self._agents: list[AgentHandle] = []
+        self._tails: dict[int, collections.deque[str]] = {}
+        self._host_of: dict[int, str] = {
+            w.rank: n.host for n in plan.nodes for w in n.workers}
+        self.failure: Failure | None = None
+        self.stop_signal: int | None = None
+        self._stopping = False
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for index, node in enumerate(self.plan.nodes):
+                agent = self.backend.start(node)
+                self._agents.append(agent)
+                threading.Thread(target=self._pump, args=(index, agent), daemon=True,
+                                 name=f"channel-{node.host}").start()
+            self._loop()
+            self._reap_agents()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return self._finish()
+
+    # -- event loop ------------------------------------------------------------------------
+    def _pump(self, index: int, agent: AgentHandle) -> None:
+        for line in agent.lines():
+            self._queue.put(("line", index, line))
+        self._queue.put(("eof", index, None))
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._queue.put(("signal", -1, signum))
+
+    def _loop(self) -> None:
+        open_channels = set(range(len(self._agents)))
+        done: set[int] = set()
+        while open_channels:
+            kind, index, payload = self._queue.get()
+            if kind == "signal":
+                assert isinstance(payload, int)
+                self._on_stop_request(payload)
+            elif kind == "eof":
+                open_channels.discard(index)
+                if index not in done:
+                    host = self._agents[index].node.host
+                    self._fail(Failure(host, None, None, f"lost the agent on {host}"))
+            else:
+                assert isinstance(payload, str)
+                message = contract.decode_line(payload)
+                if isinstance(message, contract.Output):
+                    self._print(message)
+                elif isinstance(message, contract.Event):
+                    if message.kind == contract.EV_DONE:
+                        done.add(index)
+                    self._on_event(index, message)
+                else:  # not protocol: something on the node printed on the agent's stdout
+                    self.out.write(payload)
+
+    def _print(self, output: contract.Output) -> None:
+        host = self._host_of.get(output.rank, "?")
+        self.out.write(f"[{host}:{output.rank}] {output.text}\n")
+        self.out.flush()
+        tail = self._tails.setdefault(output.rank, collections.deque(maxlen=TAIL_LINES))
+        tail.append(output.text)
+
+    def _on_event(self, index: int, event: contract.Event) -> None:
+        host = self._agents[index].node.host
+        if event.kind == contract.EV_EXITED:
+            rc = int(event.get("returncode"))
+            if rc != 0:
+                rank = int(event.get("rank"))
+                self._fail(Failure(host, rank, rc, describe_returncode(rc)))
+        elif event.kind == contract.EV_ERROR:
+            self._fail(Failure(host, None, None, str(event.get("message"))))
+
+    def _fail(self, failure: Failure) -> None:
+        if self.failure is None and not self._stopping:
+            self.failure = failure
+        self._stop_all()
+
+    def _on_stop_request(self, signum: int) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            name = signal.Signals(signum).name
+            self.err.write(f"ds-run: {name} received, stopping {self.plan.world_size} "
+                           f"worker(s)\n")
+        self._stop_all()
+
+    def _stop_all(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for agent in self._agents:
+            agent.stop()
+
+    def _reap_agents(self) -> None:
+        for agent in self._agents:
+            if agent.wait(timeout=agent.node.stop_grace + 5.0) is None:
+                self.err.write(f"ds-run: agent on {agent.node.host} did not exit; killing it\n")
+                agent.kill()
+                agent.wait(timeout=5.0)
+
+    # -- outcome ---------------------------------------------------------------------------
+    def _finish(self) -> int:
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        failure = self.failure
+        if failure is None:
+            return 0
+        who = f"rank {failure.rank} on {failure.host}" if failure.rank is not None else (
+            failure.host)
+        self.err.write(f"ds-run: job failed: {who} failed first: {failure.reason}\n")
+        tail = self._tails.get(failure.rank, ()) if failure.rank is not None else ()
+        if tail:
+            self.err.write(f"ds-run: last {len(tail)} line(s) of rank {failure.rank}:\n")
+            for text in tail:
+                self.err.write(f"    [{failure.host}:{failure.rank}] {text}\n")
+        elif failure.rank is not None:
+            self.err.write(f"ds-run: rank {failure.rank} printed nothing\n")
+        self.err.flush()
+        return failure.exit_code

@@ -1,0 +1,36 @@
+"""LaunchOptions: everything ``ds-run`` was asked to do, as one frozen value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """The parsed command line of ``ds-run`` (DeepSpeed's flag names and meanings)."""
+
+    user_script: str
+    """The training script, module (``--module``) or program (``--no_python``) to run."""
+    user_args: tuple[str, ...] = ()
+    """Arguments passed to the script untouched, after ``--local_rank=N``."""
+    hostfile: str | None = None
+    """Hostfile path; ``None`` runs on this machine."""
+    include: str | None = None
+    exclude: str | None = None
+    num_nodes: int | None = None
+    num_gpus: int | None = None
+    """Slots per node; on a machine without GPUs, the number of CPU workers (default 1)."""
+    master_addr: str | None = None
+    master_port: int | None = None
+    """``None`` picks a free port, so two jobs on one machine never collide."""
+    launcher: str = "local"
+    launcher_args: str = ""
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    log_dir: str | None = None
+    """Directory for per-rank log files (``rank_<N>.log``) on each node."""
+    bind_cores_to_rank: bool = False
+    dry_run: bool = False
+    stop_grace: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when workers are stopped."""

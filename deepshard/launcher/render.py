@@ -1,0 +1,46 @@
+"""``--dry_run``: the LaunchPlan as a table, with secret-looking values masked."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import TextIO
+
+from .plan import LaunchPlan
+
+_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+MASK = "****"
+
+
+def is_secret(name: str) -> bool:
+    """Whether a variable's value must not be printed (``*TOKEN*``, ``*KEY*``, ...)."""
+    return bool(_SECRET.search(name))
+
+
+def shown_env(env: tuple[tuple[str, str], ...]) -> list[str]:
+    """``KEY=value`` strings for display, secrets masked, values quoted like a shell would."""
+    return [f"{k}={MASK if is_secret(k) else shlex.quote(v)}" for k, v in env]
+
+
+def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
+    """Print the plan: one row per worker, then each node's environment."""
+    from rich.console import Console  # noqa: PLC0415  (rich costs ~70 ms; only here)
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(file=stream, soft_wrap=False, width=max(100, Console().width))
+    console.print(f"run {plan.run_id}: {plan.world_size} worker(s) on {len(plan.nodes)} "
+                  f"node(s), rendezvous {plan.master_addr}:{plan.master_port}")
+    table = Table(show_lines=False)
+    for column in ("host", "node", "rank", "local", "devices", "command", "env"):
+        table.add_column(column, overflow="fold")
+    for node in plan.nodes:
+        devices = dict(node.env).get("CUDA_VISIBLE_DEVICES", "")
+        for w in node.workers:
+            table.add_row(node.host, str(node.node_rank), str(w.rank), str(w.local_rank),
+                          devices, shlex.join(w.argv), " ".join(shown_env(w.env)))
+    console.print(table)
+    for node in plan.nodes:
+        where = "this machine" if node.local else "remote"
+        console.print(f"env on {node.host} ({where}, cwd {node.cwd}):", highlight=False)
+        for item in shown_env(node.env):
+            console.print(f"  {item}", highlight=False, markup=False)

@@ -1,0 +1,1 @@
+"""The runtime layer: what workers run. Imports torch."""

@@ -1,0 +1,145 @@
+"""``init_distributed()``: join the job's process group from whatever started this process.
+
+:func:`resolve_dist_env` reads, in order of precedence, the deepshard/torchrun contract
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), SLURM's variables (a script started by
+``srun`` one task per GPU) and Open MPI's (``mpirun``); with none of them, the process is a
+world of one. :func:`init_distributed` then initialises ``torch.distributed`` with nccl on
+CUDA and gloo otherwise, and does nothing when it is already initialised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..hostlist import expand_hostlist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, and how to reach the rendezvous."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+    """Which launcher's variables were read: ``contract``, ``slurm``, ``mpi`` or ``single``."""
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    value = environ[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{key}={value!r} is not an integer", where="environment",
+                         hint=f"unset {key} or set it to an integer") from None
+
+
+def resolve_dist_env(environ: Mapping[str, str]) -> DistEnv:
+    """Work out rank, world and rendezvous from the environment (pure)."""
+    port_text = environ.get("MASTER_PORT")
+    port = _int(environ, "MASTER_PORT") if port_text else None
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world = _int(environ, "WORLD_SIZE")
+        return DistEnv(
+            rank=_int(environ, "RANK"), world_size=world,
+            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+            local_world_size=(_int(environ, "LOCAL_WORLD_SIZE")
+                              if "LOCAL_WORLD_SIZE" in environ else world),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port or DEFAULT_PORT, source="contract")
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        master = environ.get("MASTER_ADDR")
+        if not master:
+            nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+            if not nodelist:
+                raise UsageError("SLURM_PROCID is set but no node list", where="environment",
+                                 hint="set MASTER_ADDR, or start the script with srun")
+            master = expand_hostlist(nodelist)[0]
+        job_id = environ.get("SLURM_JOB_ID", "0")
+        default_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else DEFAULT_PORT
+        ntasks = _int(environ, "SLURM_NTASKS")
+        return DistEnv(
+            rank=_int(environ, "SLURM_PROCID"), world_size=ntasks,
+            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+            local_world_size=_slurm_local_tasks(environ, ntasks),
+            master_addr=master, master_port=port or default_port, source="slurm")
+    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
+        world = _int(environ, "OMPI_COMM_WORLD_SIZE")
+        if world > 1 and not environ.get("MASTER_ADDR"):
+            raise UsageError("started by mpirun without MASTER_ADDR", where="environment",
+                             hint="pass -x MASTER_ADDR=<first host> -x MASTER_PORT=<port> "
+                                  "to mpirun")
+        return DistEnv(
+            rank=_int(environ, "OMPI_COMM_WORLD_RANK"), world_size=world,
+            local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
+            if "OMPI_COMM_WORLD_LOCAL_RANK" in environ else 0,
+            local_world_size=_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+            if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else world,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port or DEFAULT_PORT, source="mpi")
+    return DistEnv(0, 1, 0, 1, environ.get("MASTER_ADDR", "127.0.0.1"),
+                   port or _free_port(), "single")
+
+
+def _slurm_local_tasks(environ: Mapping[str, str], ntasks: int) -> int:
+    # SLURM_TASKS_PER_NODE looks like "2(x3),1"; SLURM_NTASKS_PER_NODE is set only with -N
+    text = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    first = text.split(",")[0].split("(")[0]
+    return int(first) if first.isdigit() else ntasks
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def export_contract(dist_env: DistEnv, environ: MutableMapping[str, str]) -> None:
+    """Write the torchrun-style variables, so ``env://`` and user code see one contract."""
+    environ.update({
+        "RANK": str(dist_env.rank), "WORLD_SIZE": str(dist_env.world_size),
+        "LOCAL_RANK": str(dist_env.local_rank),
+        "LOCAL_WORLD_SIZE": str(dist_env.local_world_size),
+        "MASTER_ADDR": dist_env.master_addr, "MASTER_PORT": str(dist_env.master_port),
+    })
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> DistEnv:
+    """Initialise ``torch.distributed`` for this process once; returns where it sits.
+
+    Args:
+        dist_backend: ``"nccl"``, ``"gloo"``...; by default nccl when CUDA is available,
+            gloo otherwise.
+        timeout: collective timeout (torch's default when ``None``).
+
+    On CUDA the current device is set to the local rank first. Calling it again, or in a
+    process where torch.distributed is already initialised, returns without change.
+    """
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist_env = resolve_dist_env(os.environ)
+    if dist.is_available() and dist.is_initialized():
+        return dist_env
+    export_contract(dist_env, os.environ)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(dist_env.local_rank % torch.cuda.device_count())
+    backend = dist_backend or ("nccl" if cuda else "gloo")
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend=backend, init_method="env://", rank=dist_env.rank,
+                            world_size=dist_env.world_size, **kwargs)
+    return dist_env
