@@ -17,6 +17,7 @@ tells the agent to stop its workers and exit.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ EV_ERROR = "error"
 """The agent could not do its job (a worker failed to start): ``message``."""
 EV_DONE = "done"
 """The agent has stopped every worker and is about to exit."""
+
+
+_RANK = re.compile(r"[0-9]+\Z")
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,12 @@ def decode_line(line: str) -> Event | Output | None:
     line = line.rstrip("\n")
     if line.startswith("o "):
         rank, _, text = line[2:].partition(" ")
-        if rank.isdigit():
+        if _RANK.match(rank):
             return Output(int(rank), text)
     elif line.startswith("e "):
         try:
             data = json.loads(line[2:])
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if isinstance(data, dict) and isinstance(data.get("kind"), str):
             kind = data.pop("kind")

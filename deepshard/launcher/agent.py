@@ -180,7 +180,7 @@ class Agent:
     def _open_log(self, rank: int) -> BinaryIO | None:
         if not self.node.log_dir:
             return None
-        return open(Path(self.node.log_dir) / f"rank_{rank}.log", "ab", buffering=0)  # noqa: SIM115
+        return open(Path(self.node.log_dir) / f"rank_{rank}.log", "ab", buffering=0)
 
     def _relay(self, rank: int, proc: subprocess.Popen[bytes], log: BinaryIO | None) -> None:
         assert proc.stdout is not None
@@ -201,7 +201,7 @@ class Agent:
     def _report_exit(self, worker: _Worker) -> None:
         # output a child printed before dying reaches the coordinator before its exit event;
         # a grandchild holding the pipe open must not delay the report for long
-        worker.reader.join(timeout=1.0)
+        worker.reader.join(timeout=0.25)
         worker.reported = True
         self._channel.write(contract.encode_event(
             contract.EV_EXITED, host=self.node.host, rank=worker.plan.rank,
@@ -324,9 +324,8 @@ def _read_plan_line() -> bytes:
 
 def main() -> int:
     line = _read_plan_line()
-    if not line:
-        print("deepshard agent: no node plan on stdin", file=sys.stderr)
-        return 2
+    if not line:  # dismissed before a plan was sent (see backends.local.spawn_agent)
+        return 0
     node = NodePlan.from_json(line.decode("utf-8", "surrogateescape"))
     agent = Agent(node, sys.stdout.buffer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

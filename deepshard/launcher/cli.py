@@ -17,9 +17,15 @@ import click
 
 from .. import __version__
 from ..errors import EXIT_USAGE, UsageError
+from .backends import BACKENDS
+from .coordinator import Coordinator
+from .entry import DEFAULT_HOSTFILE
+from .env_file import read_env_files
+from .hostfile import read_hostfile
 from .options import LaunchOptions
-
-DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default, used when it exists
+from .placement import place, select
+from .plan import LaunchPlan, build_plan
+from .resources import interface_addresses, is_local, local_names, probe_local
 
 
 @click.command(
@@ -45,7 +51,6 @@ DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default, used when it exists
               help="Rendezvous port [default: a free port].")
 @click.option("--launcher", type=click.Choice(["local"]), default="local", show_default=True,
               help="How agents are started on nodes.")
-@click.option("--launcher_args", default="", help="Extra arguments for the launcher backend.")
 @click.option("--module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
 @click.option("--no_python", is_flag=True, help="Run USER_SCRIPT directly, not with python.")
 @click.option("--no_local_rank", is_flag=True,
@@ -58,19 +63,17 @@ DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default, used when it exists
 @click.version_option(__version__, "--version", prog_name="ds-run")
 @click.argument("user_script")
 @click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
-def ds_run(**params: object) -> int:
+@click.pass_obj
+def ds_run(spawned: list, **params: object) -> int:
     options = LaunchOptions(**{**params, "user_args": tuple(params["user_args"])})  # type: ignore[arg-type]
-    return launch(options)
+    return launch(options, spawned)
 
 
-def launch(options: LaunchOptions) -> int:
+def launch(options: LaunchOptions, spawned: list | None = None) -> int:
     """Plan the job (raising :class:`UsageError` on bad input), then run it."""
-    from .backends import BACKENDS  # noqa: PLC0415
-    from .coordinator import Coordinator  # noqa: PLC0415
-
     plan = make_plan(options)
     if options.dry_run:
-        from .render import render_plan  # noqa: PLC0415
+        from .render import render_plan  # rich costs ~70 ms: only for --dry_run
 
         render_plan(plan, sys.stdout)
         return 0
@@ -82,18 +85,12 @@ def launch(options: LaunchOptions) -> int:
             where=options.hostfile or DEFAULT_HOSTFILE,
             hint="use a hostfile naming localhost, or --include localhost",
         )
-    backend = BACKENDS[options.launcher]()
+    backend = BACKENDS[options.launcher](spawned=spawned)
     return Coordinator(plan, backend).run()
 
 
-def make_plan(options: LaunchOptions):  # -> LaunchPlan (import kept lazy for start-up time)
+def make_plan(options: LaunchOptions) -> LaunchPlan:
     """Every check and decision before anything starts; pure but for reading named files."""
-    from .env_file import read_env_files  # noqa: PLC0415
-    from .hostfile import read_hostfile  # noqa: PLC0415
-    from .placement import place, select  # noqa: PLC0415
-    from .plan import build_plan  # noqa: PLC0415
-    from .resources import interface_addresses, is_local, local_names, probe_local  # noqa: PLC0415
-
     check_script(options)
     hostfile = options.hostfile
     if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
@@ -106,7 +103,7 @@ def make_plan(options: LaunchOptions):  # -> LaunchPlan (import kept lazy for st
         names = local_names()
     selected = select(resources, include_text=options.include, exclude_text=options.exclude,
                       num_nodes=options.num_nodes,
-                      num_gpus=options.num_gpus if hostfile is not None else None)
+                      num_gpus=options.num_gpus)
     placement = place(selected)
     locality = {n.host: is_local(n.host, names) for n in placement.nodes}
     env_file = read_env_files(os.environ, Path.home(), Path.cwd())
@@ -147,21 +144,21 @@ def free_port(address: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point: one-line errors with exit code 2, the job's code otherwise."""
+def run_cli(args: list[str], spawned: list) -> int:
+    """Run ds-run on ``args``: one-line errors with exit code 2, the job's code otherwise.
+
+    ``spawned``: local agent processes started ahead of planning (see :mod:`.entry`).
+    """
     try:
-        code = ds_run.main(args=argv, prog_name="ds-run", standalone_mode=False)
+        code = ds_run.main(args=args, prog_name="ds-run", standalone_mode=False, obj=spawned)
     except click.UsageError as exc:
         hint = "see ds-run --help"
-        sys.stderr.write(f"ds-run: error: {exc.format_message()}. HINT: {hint}\n")
-        sys.exit(EXIT_USAGE)
+        message = " ".join(exc.format_message().split()).rstrip(".")
+        sys.stderr.write(f"ds-run: error: {message}. HINT: {hint}\n")
+        return EXIT_USAGE
     except UsageError as exc:
         sys.stderr.write(f"ds-run: error: {exc}\n")
-        sys.exit(EXIT_USAGE)
+        return EXIT_USAGE
     except click.Abort:
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()
+        return 130
+    return code if isinstance(code, int) else 0

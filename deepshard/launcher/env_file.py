@@ -53,6 +53,9 @@ def parse_env_text(text: str, path: str) -> dict[str, str]:
                 hint="write NAME=value with a name of letters, digits and _ "
                      "and no spaces around '='",
             )
+        if "\0" in value:
+            raise UsageError(f"the value of {key} contains a NUL byte", where=f"{path}:{lineno}",
+                             hint="environment values cannot hold NUL; remove it")
         result[key] = value
     return result
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import UsageError
 from .resources import Host, Resources
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]*\Z")
+_HOSTNAME = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9_.:\-]*\Z")
 _SLOTS = re.compile(r"slots=(.*)\Z")
 _EXAMPLE = "write it as 'worker-1 slots=4'"
 
@@ -22,7 +22,7 @@ def parse_hostfile(text: str, path: str) -> Resources:
     """Parse hostfile ``text``; ``path`` is only used to name lines in errors."""
     hosts: list[Host] = []
     seen: dict[str, int] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(text.split("\n"), start=1):
         where = f"{path}:{lineno}"
         tokens = raw.split("#", 1)[0].split()
         if not tokens:

@@ -24,7 +24,6 @@ class LaunchOptions:
     master_port: int | None = None
     """``None`` picks a free port, so two jobs on one machine never collide."""
     launcher: str = "local"
-    launcher_args: str = ""
     module: bool = False
     no_python: bool = False
     no_local_rank: bool = False

@@ -24,8 +24,9 @@ def shown_env(env: tuple[tuple[str, str], ...]) -> list[str]:
 
 def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
     """Print the plan: one row per worker, then each node's environment."""
-    from rich.console import Console  # noqa: PLC0415  (rich costs ~70 ms; only here)
-    from rich.table import Table  # noqa: PLC0415
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
     console = Console(file=stream, soft_wrap=False, width=max(100, Console().width))
     console.print(f"run {plan.run_id}: {plan.world_size} worker(s) on {len(plan.nodes)} "
@@ -36,11 +37,16 @@ def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
     for node in plan.nodes:
         devices = dict(node.env).get("CUDA_VISIBLE_DEVICES", "")
         for w in node.workers:
-            table.add_row(node.host, str(node.node_rank), str(w.rank), str(w.local_rank),
-                          devices, shlex.join(w.argv), " ".join(shown_env(w.env)))
+            cells = (node.host, str(node.node_rank), str(w.rank), str(w.local_rank), devices,
+                     shlex.join(w.argv), " ".join(shown_env(w.env)))
+            table.add_row(*(Text(c) for c in cells))
     console.print(table)
     for node in plan.nodes:
         where = "this machine" if node.local else "remote"
         console.print(f"env on {node.host} ({where}, cwd {node.cwd}):", highlight=False)
         for item in shown_env(node.env):
             console.print(f"  {item}", highlight=False, markup=False)
+        if "OMP_NUM_THREADS" not in dict(node.env):
+            console.print(f"  OMP_NUM_THREADS=<the host's cores / {len(node.workers)}, "
+                          "set by its agent unless its environment has one>",
+                          highlight=False, markup=False)

@@ -100,7 +100,7 @@ def local_names(extra: Iterable[str] = ()) -> frozenset[str]:
 
 def interface_addresses() -> frozenset[str]:
     """The IP addresses of this machine's network interfaces."""
-    import psutil  # noqa: PLC0415  (costs ~40 ms; only needed when a hostfile is used)
+    import psutil  # ~40 ms to import: only needed when a hostfile is used
 
     return frozenset(
         a.address.split("%")[0]

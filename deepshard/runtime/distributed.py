@@ -64,7 +64,11 @@ def resolve_dist_env(environ: Mapping[str, str]) -> DistEnv:
             if not nodelist:
                 raise UsageError("SLURM_PROCID is set but no node list", where="environment",
                                  hint="set MASTER_ADDR, or start the script with srun")
-            master = expand_hostlist(nodelist)[0]
+            hosts = expand_hostlist(nodelist)
+            if not hosts:
+                raise UsageError(f"node list {nodelist!r} names no host", where="environment",
+                                 hint="set MASTER_ADDR, or start the script with srun")
+            master = hosts[0]
         job_id = environ.get("SLURM_JOB_ID", "0")
         default_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else DEFAULT_PORT
         ntasks = _int(environ, "SLURM_NTASKS")
@@ -128,8 +132,8 @@ def init_distributed(
     On CUDA the current device is set to the local rank first. Calling it again, or in a
     process where torch.distributed is already initialised, returns without change.
     """
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
     dist_env = resolve_dist_env(os.environ)
     if dist.is_available() and dist.is_initialized():

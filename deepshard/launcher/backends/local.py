@@ -7,21 +7,15 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from ..entry import spawn_agent
 from ..plan import NodePlan
 from .base import AgentHandle, Backend
 
-AGENT_MODULE = "deepshard.launcher.agent"
-
 
 class LocalAgent(AgentHandle):
-    def __init__(self, node: NodePlan, python: str):
+    def __init__(self, node: NodePlan, proc: subprocess.Popen[bytes]):
         self.node = node
-        # its own session: a Ctrl-C in the terminal reaches ds-run only, which then stops
-        # the agent in order (the agent stops its workers, then reports)
-        self._proc = subprocess.Popen(
-            [python, "-m", AGENT_MODULE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-        )
+        self._proc = proc
         assert self._proc.stdin is not None
         self._proc.stdin.write(node.to_json().encode("utf-8", "surrogateescape") + b"\n")
         self._proc.stdin.flush()
@@ -52,8 +46,11 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, python: str = sys.executable):
+    def __init__(self, python: str = sys.executable,
+                 spawned: list[subprocess.Popen[bytes]] | None = None):
         self.python = python
+        self._spawned = spawned if spawned is not None else []
 
     def start(self, node: NodePlan) -> AgentHandle:
-        return LocalAgent(node, self.python)
+        proc = self._spawned.pop() if self._spawned else spawn_agent(self.python)
+        return LocalAgent(node, proc)

@@ -1,0 +1,44 @@
+# The README's two commands: `make demo` and `make test`. Everything lives in .venv.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip install -q --disable-pip-version-check
+# compat: a plain .pth path entry, no import hook: keeps ds-run's start-up cheap
+EDITABLE := --config-settings editable_mode=compat
+
+.PHONY: install install-test demo test lint bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first, pinned to the CPU wheel on disk: an unpinned torch would pull a multi-GB
+# CUDA build. An existing torch (e.g. a CUDA build on a GPU machine) is kept.
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) $(EDITABLE) -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(PIP) $(EDITABLE) -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(VENV)/bin/ds-run --num_gpus 2 examples/train.py --steps 30
+
+lint: install-test
+	$(VENV)/bin/ruff check .
+
+# pytest exits 5 when it collects nothing: that fails this target like any other error
+test: lint
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/launch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The trivial worker the launch benchmark starts: it does nothing."""
