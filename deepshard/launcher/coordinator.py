@@ -9,6 +9,8 @@ the last lines it printed. SIGINT/SIGTERM stop the job the same way and give 130
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import queue
 import signal
 import sys
@@ -68,6 +70,7 @@ class Coordinator:
         self.failure: Failure | None = None
         self.stop_signal: int | None = None
         self._stopping = False
+        self._out_closed = False
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -78,8 +81,10 @@ class Coordinator:
                 threading.Thread(target=self._pump, args=(index, agent), daemon=True,
                                  name=f"channel-{node.host}").start()
             self._loop()
-            self._reap_agents()
         finally:
+            # also on an unexpected error: never leave agents (and their workers) behind
+            self._stop_all()
+            self._reap_agents()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return self._finish()
@@ -116,14 +121,26 @@ class Coordinator:
                         done.add(index)
                     self._on_event(index, message)
                 else:  # not protocol: something on the node printed on the agent's stdout
-                    self.out.write(payload)
+                    self._write_out(payload)
 
     def _print(self, output: contract.Output) -> None:
         host = self._host_of.get(output.rank, "?")
-        self.out.write(f"[{host}:{output.rank}] {output.text}\n")
-        self.out.flush()
+        self._write_out(f"[{host}:{output.rank}] {output.text}\n")
         tail = self._tails.setdefault(output.rank, collections.deque(maxlen=TAIL_LINES))
         tail.append(output.text)
+
+    def _write_out(self, text: str) -> None:
+        """Worker output to our stdout; a closed stdout (``ds-run ... | head``) only stops
+        the echo, never the job or its supervision."""
+        if self._out_closed:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except (BrokenPipeError, ValueError):
+            self._out_closed = True
+            with contextlib.suppress(OSError):  # keep the interpreter quiet at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
 
     def _on_event(self, index: int, event: contract.Event) -> None:
         host = self._agents[index].node.host

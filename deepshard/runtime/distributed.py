@@ -9,7 +9,9 @@ CUDA and gloo otherwise, and does nothing when it is already initialised.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import os
 import socket
 from collections.abc import Mapping, MutableMapping
@@ -19,6 +21,7 @@ from ..errors import UsageError
 from ..hostlist import expand_hostlist
 
 DEFAULT_PORT = 29500
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,12 @@ def _int(environ: Mapping[str, str], key: str) -> int:
                          hint=f"unset {key} or set it to an integer") from None
 
 
-def resolve_dist_env(environ: Mapping[str, str]) -> DistEnv:
-    """Work out rank, world and rendezvous from the environment (pure)."""
+def resolve_dist_env(environ: Mapping[str, str], default_port: int = DEFAULT_PORT) -> DistEnv:
+    """Work out rank, world and rendezvous from the environment (pure).
+
+    ``default_port`` is the rendezvous port when ``MASTER_PORT`` is unset (under SLURM, a
+    port derived from the job id, so that jobs sharing a node differ).
+    """
     port_text = environ.get("MASTER_PORT")
     port = _int(environ, "MASTER_PORT") if port_text else None
     if "RANK" in environ and "WORLD_SIZE" in environ:
@@ -56,7 +63,7 @@ def resolve_dist_env(environ: Mapping[str, str]) -> DistEnv:
             local_world_size=(_int(environ, "LOCAL_WORLD_SIZE")
                               if "LOCAL_WORLD_SIZE" in environ else world),
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port or DEFAULT_PORT, source="contract")
+            master_port=port or default_port, source="contract")
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         master = environ.get("MASTER_ADDR")
         if not master:
@@ -70,13 +77,13 @@ def resolve_dist_env(environ: Mapping[str, str]) -> DistEnv:
                                  hint="set MASTER_ADDR, or start the script with srun")
             master = hosts[0]
         job_id = environ.get("SLURM_JOB_ID", "0")
-        default_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else DEFAULT_PORT
+        slurm_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else default_port
         ntasks = _int(environ, "SLURM_NTASKS")
         return DistEnv(
             rank=_int(environ, "SLURM_PROCID"), world_size=ntasks,
             local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
             local_world_size=_slurm_local_tasks(environ, ntasks),
-            master_addr=master, master_port=port or default_port, source="slurm")
+            master_addr=master, master_port=port or slurm_port, source="slurm")
     if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
         world = _int(environ, "OMPI_COMM_WORLD_SIZE")
         if world > 1 and not environ.get("MASTER_ADDR"):
@@ -90,7 +97,7 @@ def resolve_dist_env(environ: Mapping[str, str]) -> DistEnv:
             local_world_size=_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
             if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else world,
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port or DEFAULT_PORT, source="mpi")
+            master_port=port or default_port, source="mpi")
     return DistEnv(0, 1, 0, 1, environ.get("MASTER_ADDR", "127.0.0.1"),
                    port or _free_port(), "single")
 
@@ -120,23 +127,52 @@ def export_contract(dist_env: DistEnv, environ: MutableMapping[str, str]) -> Non
 
 def init_distributed(
     dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = True,
     timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: object = None,
+    rank: int = -1,
+    world_size: int = -1,
 ) -> DistEnv:
     """Initialise ``torch.distributed`` for this process once; returns where it sits.
+
+    The signature is DeepSpeed's, so scripts calling ``deepspeed.init_distributed(...)``
+    work unchanged.
 
     Args:
         dist_backend: ``"nccl"``, ``"gloo"``...; by default nccl when CUDA is available,
             gloo otherwise.
+        auto_mpi_discovery: read Open MPI's variables when no launcher contract is present
+            (without mpi4py, ``MASTER_ADDR`` must then be exported by mpirun).
+        distributed_port: the rendezvous port when ``MASTER_PORT`` is not set.
+        verbose: log the resolved rank, world and rendezvous on rank 0.
         timeout: collective timeout (torch's default when ``None``).
+        init_method: a torch init method URL (``tcp://...``, ``file://...``) instead of
+            ``env://``.
+        dist_init_required: ``False`` skips initialisation, as in DeepSpeed.
+        config: accepted for DeepSpeed compatibility (it only configures comms logging
+            there); not used.
+        rank, world_size: override the environment's values when not -1.
 
     On CUDA the current device is set to the local rank first. Calling it again, or in a
     process where torch.distributed is already initialised, returns without change.
     """
+    del config  # see the docstring
     import torch
     import torch.distributed as dist
 
-    dist_env = resolve_dist_env(os.environ)
-    if dist.is_available() and dist.is_initialized():
+    environ = dict(os.environ)
+    if not auto_mpi_discovery:
+        environ = {k: v for k, v in environ.items() if not k.startswith("OMPI_COMM_WORLD_")}
+    dist_env = resolve_dist_env(environ, default_port=distributed_port)
+    if rank != -1 or world_size != -1:
+        dist_env = dataclasses.replace(
+            dist_env, rank=dist_env.rank if rank == -1 else rank,
+            world_size=dist_env.world_size if world_size == -1 else world_size)
+    if dist_init_required is False or (dist.is_available() and dist.is_initialized()):
         return dist_env
     export_contract(dist_env, os.environ)
     cuda = torch.cuda.is_available()
@@ -144,6 +180,10 @@ def init_distributed(
         torch.cuda.set_device(dist_env.local_rank % torch.cuda.device_count())
     backend = dist_backend or ("nccl" if cuda else "gloo")
     kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend=backend, init_method="env://", rank=dist_env.rank,
-                            world_size=dist_env.world_size, **kwargs)
+    if verbose and dist_env.rank == 0:
+        logger.info("deepshard: initialising %s, world %d, rendezvous %s:%d (from %s)",
+                    backend, dist_env.world_size, dist_env.master_addr, dist_env.master_port,
+                    dist_env.source)
+    dist.init_process_group(backend=backend, init_method=init_method or "env://",
+                            rank=dist_env.rank, world_size=dist_env.world_size, **kwargs)
     return dist_env

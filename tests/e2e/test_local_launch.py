@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -190,3 +191,34 @@ def test_leftover_grandchild_of_a_finished_job_is_stopped(job_token, tmp_path):
     assert result.returncode == 0, result.stderr
     pids = [int(p) for f in tmp_path.glob("*.pids") for p in f.read_text().split()]
     assert len(pids) == 4 and not [p for p in pids if pid_alive(p)]
+
+
+def test_hostfile_naming_this_machine_runs_locally_as_two_nodes(job_token, tmp_path):
+    """This machine's hostname and a loopback address start locally (no SSH), each as a
+    node of its own, with ranks host-major in file order."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{socket.gethostname()} slots=1\n127.0.0.1 slots=2  # loopback\n")
+    result = run_ds("--hostfile", str(hostfile), str(SCRIPTS / "env_dump.py"), job_token)
+    assert result.returncode == 0, result.stderr
+    ranks = contract_lines(result.stdout)
+    assert ranks[0]["prefix"] == f"[{socket.gethostname()}:0]"
+    assert [ranks[r]["prefix"] for r in (1, 2)] == ["[127.0.0.1:1]", "[127.0.0.1:2]"]
+    assert [ranks[r]["env"]["NODE_RANK"] for r in (0, 1, 2)] == ["0", "1", "1"]
+    assert [ranks[r]["env"]["LOCAL_RANK"] for r in (0, 1, 2)] == ["0", "0", "1"]
+    assert {ranks[r]["env"]["WORLD_SIZE"] for r in ranks} == {"3"}
+    assert ranks[2]["env"]["LOCAL_WORLD_SIZE"] == "2"
+
+
+def test_closed_stdout_does_not_break_supervision(job_token, tmp_path):
+    """`ds-run ... | head -1`: the job still runs to its end and exits 0."""
+    marker = tmp_path / "ran"
+    proc = subprocess.Popen(
+        ds_run_argv("--num_gpus", "2", str(SCRIPTS / "chatty.py"), str(marker), job_token),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err
+    assert marker.read_text() == "done"
