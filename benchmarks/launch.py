@@ -6,6 +6,10 @@ Peers: torchrun (torch's launcher), the ``deepspeed`` launcher when installed, a
 plain ``python`` process (the floor: no launcher, one worker).
 
     python benchmarks/launch.py [--rounds 15]
+
+The deepspeed peer is measured when its launcher is in the same environment, e.g.
+``DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`` into a venv that already has
+torch==2.13.0 (build isolation would fetch a CUDA torch to build it).
 """
 
 from __future__ import annotations

@@ -123,6 +123,10 @@ class Agent:
             contract.EV_DONE, host=self.node.host, state=self.state.value))
         return 0 if self.state is AgentState.SUCCEEDED else 1
 
+    def stop_now(self) -> None:
+        """Stop every worker from the calling thread (the agent's last resort)."""
+        self._stop_all()
+
     def request_stop(self, reason: str) -> None:
         """Ask the monitor loop to stop all workers (safe from signal handlers)."""
         self._events.put(("stop", reason))
@@ -333,7 +337,11 @@ def main() -> int:
     # a closed channel must not kill us with SIGPIPE before we have stopped the workers
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     threading.Thread(target=_watch_stdin, args=(agent,), daemon=True, name="channel").start()
-    return agent.run()
+    try:
+        return agent.run()
+    except BaseException:
+        agent.stop_now()  # a bug in the agent must not leave its workers running
+        raise
 
 
 if __name__ == "__main__":
