@@ -46,6 +46,12 @@ EV_ERROR = "error"
 """The agent could not do its job (a worker failed to start): ``message``."""
 EV_DONE = "done"
 """The agent has stopped every worker and is about to exit."""
+EV_ALIVE = "alive"
+"""Sent every :data:`ALIVE_INTERVAL` seconds: the agent and its channel work."""
+
+ALIVE_INTERVAL = 1.0
+"""Seconds between ``alive`` events, and between the coordinator's pings (a newline on the
+agent's stdin, which renews the agent's lease)."""
 
 
 _RANK = re.compile(r"[0-9]+\Z")

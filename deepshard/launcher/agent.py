@@ -101,6 +101,11 @@ class Agent:
         self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._channel = _Channel(out, lambda: self._events.put(("stop", "channel closed")))
         self._workers: list[_Worker] = []
+        self._last_heard = time.monotonic()
+
+    def renew_lease(self) -> None:
+        """The coordinator spoke (safe from any thread)."""
+        self._last_heard = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -133,8 +138,17 @@ class Agent:
 
     def _monitor(self) -> None:
         pending = len(self._workers)
+        lease = self.node.lease_timeout
         while pending:
-            kind, payload = self._events.get()
+            try:
+                kind, payload = self._events.get(timeout=contract.ALIVE_INTERVAL)
+            except queue.Empty:
+                self._channel.write(contract.encode_event(contract.EV_ALIVE,
+                                                          host=self.node.host))
+                if lease and time.monotonic() - self._last_heard > lease:
+                    kind, payload = "stop", "the coordinator is unreachable"
+                else:
+                    continue
             if kind == "stop":
                 self.state = AgentState.STOPPED
                 self._stop_all()
@@ -311,7 +325,7 @@ def _watch_stdin(agent: Agent) -> None:
     # the interpreter abort at exit
     with contextlib.suppress(OSError):
         while os.read(0, 1 << 12):
-            pass
+            agent.renew_lease()
     agent.request_stop("channel closed")
 
 

@@ -17,7 +17,7 @@ import click
 
 from .. import __version__
 from ..errors import EXIT_USAGE, UsageError
-from .backends import BACKENDS
+from .backends import Backend, LocalBackend, Router
 from .coordinator import Coordinator
 from .entry import DEFAULT_HOSTFILE
 from .env_file import read_env_files
@@ -49,8 +49,19 @@ from .resources import interface_addresses, is_local, local_names, probe_local
               "when every host is this machine].")
 @click.option("--master_port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port [default: a free port].")
-@click.option("--launcher", type=click.Choice(["local"]), default="local", show_default=True,
-              help="How agents are started on nodes.")
+@click.option("--launcher", type=click.Choice(["ssh", "local"]), default="ssh",
+              show_default=True,
+              help="How agents start on hosts that are not this machine (ssh: paramiko, no "
+                   "external binary; local: refuse remote hosts).")
+@click.option("--ssh_port", type=click.IntRange(1, 65535), default=None,
+              help="SSH port for every host [default: ~/.ssh/config's Port, else 22].")
+@click.option("--remote_python", default=None, metavar="PATH",
+              help="Python on remote hosts [default: this one's path].")
+@click.option("--ssh_connect_timeout", type=click.FloatRange(min=0.1), default=10.0,
+              show_default=True, help="Seconds to reach each host before giving up.")
+@click.option("--monitor_timeout", type=click.FloatRange(min=1.0), default=30.0,
+              show_default=True,
+              help="Seconds of silence after which a node is lost and the job stopped.")
 @click.option("--module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
 @click.option("--no_python", is_flag=True, help="Run USER_SCRIPT directly, not with python.")
 @click.option("--no_local_rank", is_flag=True,
@@ -77,16 +88,28 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
 
         render_plan(plan, sys.stdout)
         return 0
+    backend = Router(LocalBackend(spawned=spawned), remote_backend(options, plan))
+    backend.prepare(plan.nodes)
+    try:
+        return Coordinator(plan, backend, monitor_timeout=options.monitor_timeout).run()
+    finally:
+        backend.close()
+
+
+def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
+    """The backend for the plan's remote nodes (``None`` when every node is local)."""
     remote = [n.host for n in plan.nodes if not n.local]
-    if remote:
+    if not remote:
+        return None
+    if options.launcher == "local":
         raise UsageError(
-            f"host {remote[0]!r} is not this machine, and the '{options.launcher}' launcher "
-            "starts workers on this machine only",
-            where=options.hostfile or DEFAULT_HOSTFILE,
-            hint="use a hostfile naming localhost, or --include localhost",
-        )
-    backend = BACKENDS[options.launcher](spawned=spawned)
-    return Coordinator(plan, backend).run()
+            f"host {remote[0]!r} is not this machine, and --launcher local starts workers on "
+            "this machine only", where=options.hostfile or DEFAULT_HOSTFILE,
+            hint="drop --launcher local to reach it over ssh, or --include localhost")
+    from .backends.ssh import SSHBackend  # paramiko: ~300 ms, only for remote hosts
+
+    return SSHBackend(ssh_port=options.ssh_port, remote_python=options.remote_python,
+                      connect_timeout=options.ssh_connect_timeout)
 
 
 def make_plan(options: LaunchOptions) -> LaunchPlan:
@@ -107,15 +130,29 @@ def make_plan(options: LaunchOptions) -> LaunchPlan:
     placement = place(selected)
     locality = {n.host: is_local(n.host, names) for n in placement.nodes}
     env_file = read_env_files(os.environ, Path.home(), Path.cwd())
-    master_addr = options.master_addr or (
-        "127.0.0.1" if all(locality.values()) else placement.nodes[0].host)
+    master_addr = options.master_addr or rendezvous_address(placement.nodes[0].host,
+                                                            locality, options)
     master_port = options.master_port or free_port(master_addr)
     return build_plan(
         options, placement, env_file.as_dict(), python=sys.executable, cwd=os.getcwd(),
         master_addr=master_addr, master_port=master_port,
         run_id=os.environ.get("DEEPSHARD_RUN_ID") or os.urandom(6).hex(),
-        is_local=locality,
+        is_local=locality, environ=os.environ,
     )
+
+
+def rendezvous_address(first_host: str, locality: dict[str, bool],
+                       options: LaunchOptions) -> str:
+    """MASTER_ADDR: loopback when every node is this machine; else the first host's address
+    as ssh reaches it (its ``HostName`` in ~/.ssh/config, else its name)."""
+    if all(locality.values()):
+        return "127.0.0.1"
+    if locality[first_host]:
+        return socket.gethostname()
+    from .ssh_config import load_config_text, resolve_target
+
+    return resolve_target(first_host, load_config_text(),
+                          port_override=options.ssh_port, default_user="-").hostname
 
 
 def check_script(options: LaunchOptions) -> None:

@@ -15,6 +15,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -57,11 +58,12 @@ class Coordinator:
     """Runs one attempt of a job; :meth:`run` returns ds-run's exit code."""
 
     def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr):
+                 err: TextIO = sys.stderr, monitor_timeout: float = 30.0):
         self.plan = plan
         self.backend = backend
         self.out = out
         self.err = err
+        self.monitor_timeout = monitor_timeout
         self._queue: queue.SimpleQueue[tuple[str, int, object]] = queue.SimpleQueue()
         self._agents: list[AgentHandle] = []
         self._tails: dict[int, collections.deque[str]] = {}
@@ -70,13 +72,19 @@ class Coordinator:
         self.failure: Failure | None = None
         self.stop_signal: int | None = None
         self._stopping = False
+        self._give_up_at: float | None = None
         self._out_closed = False
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for index, node in enumerate(self.plan.nodes):
-                agent = self.backend.start(node)
+                try:
+                    agent = self.backend.start(node)
+                except Exception as exc:  # e.g. the SSH session could not be opened
+                    self._fail(Failure(node.host, None, None,
+                                       f"could not start the agent on {node.host}: {exc}"))
+                    break
                 self._agents.append(agent)
                 threading.Thread(target=self._pump, args=(index, agent), daemon=True,
                                  name=f"channel-{node.host}").start()
@@ -101,16 +109,41 @@ class Coordinator:
     def _loop(self) -> None:
         open_channels = set(range(len(self._agents)))
         done: set[int] = set()
+        now = time.monotonic()
+        last_heard = dict.fromkeys(open_channels, now)
+        next_ping = now + contract.ALIVE_INTERVAL
         while open_channels:
-            kind, index, payload = self._queue.get()
+            now = time.monotonic()
+            if now >= next_ping:
+                for i in open_channels:
+                    self._agents[i].ping()
+                next_ping = now + contract.ALIVE_INTERVAL
+            if self._give_up_at is not None and now > self._give_up_at:
+                return  # stopped agents that do not close their channel get killed
+            for i in open_channels - done:
+                silent = now - last_heard[i]
+                if silent > self.monitor_timeout:
+                    host = self._agents[i].node.host
+                    last_heard[i] = now
+                    self._fail(Failure(host, None, None, f"no word from the agent on {host} "
+                                       f"for {silent:.0f} s (host or network down?)"))
+            try:
+                kind, index, payload = self._queue.get(timeout=max(0.01, next_ping - now))
+            except queue.Empty:
+                continue
+            if index >= 0:
+                last_heard[index] = time.monotonic()
             if kind == "signal":
                 assert isinstance(payload, int)
                 self._on_stop_request(payload)
             elif kind == "eof":
                 open_channels.discard(index)
                 if index not in done:
-                    host = self._agents[index].node.host
-                    self._fail(Failure(host, None, None, f"lost the agent on {host}"))
+                    agent = self._agents[index]
+                    why = " | ".join(agent.diagnostics()[-3:])
+                    self._fail(Failure(agent.node.host, None, None,
+                                       f"lost the agent on {agent.node.host}"
+                                       + (f": {why}" if why else "")))
             else:
                 assert isinstance(payload, str)
                 message = contract.decode_line(payload)
@@ -169,12 +202,17 @@ class Coordinator:
         if self._stopping:
             return
         self._stopping = True
+        self._give_up_at = time.monotonic() + self._stop_grace() + 5.0
         for agent in self._agents:
             agent.stop()
 
+    def _stop_grace(self) -> float:
+        return max((n.stop_grace for n in self.plan.nodes), default=0.0)
+
     def _reap_agents(self) -> None:
+        deadline = time.monotonic() + self._stop_grace() + 5.0
         for agent in self._agents:
-            if agent.wait(timeout=agent.node.stop_grace + 5.0) is None:
+            if agent.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 self.err.write(f"ds-run: agent on {agent.node.host} did not exit; killing it\n")
                 agent.kill()
                 agent.wait(timeout=5.0)

@@ -23,7 +23,15 @@ class LaunchOptions:
     master_addr: str | None = None
     master_port: int | None = None
     """``None`` picks a free port, so two jobs on one machine never collide."""
-    launcher: str = "local"
+    launcher: str = "ssh"
+    """How agents start on nodes that are not this machine (this machine's are local)."""
+    ssh_port: int | None = None
+    remote_python: str | None = None
+    """The Python on remote hosts; by default the one running ds-run (same path)."""
+    ssh_connect_timeout: float = 10.0
+    monitor_timeout: float = 30.0
+    """A node whose agent says nothing for this long is lost; its agent, in turn, stops
+    its workers when the coordinator has been silent for as long."""
     module: bool = False
     no_python: bool = False
     no_local_rank: bool = False

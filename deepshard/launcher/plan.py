@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING
 
 from .. import contract
 
+EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "CUDA_", "GLOO_", "TORCH_", "MLFLOW", "MV2_",
+                   "OMP_", "HF_", "TRANSFORMERS_", "WANDB_")
+"""Variables of ds-run's environment sent to remote nodes (local workers inherit all)."""
+
 if TYPE_CHECKING:  # the agent imports this module: keep its start-up lean
     from .options import LaunchOptions
     from .placement import Placement
@@ -46,6 +50,9 @@ class NodePlan:
     log_dir: str | None = None
     bind_cores_to_rank: bool = False
     stop_grace: float = 5.0
+    lease_timeout: float = 0.0
+    """Stop the workers when the coordinator has not pinged for this long (0: never; the
+    local agent needs no lease, its pipe cannot be silently lost)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -97,13 +104,21 @@ def build_plan(
     master_port: int,
     run_id: str,
     is_local: Mapping[str, bool],
+    environ: Mapping[str, str] | None = None,
     restart_count: int = 0,
 ) -> LaunchPlan:
-    """Build the plan; ``is_local`` tells, per host, whether it is this machine."""
+    """Build the plan; ``is_local`` tells, per host, whether it is this machine.
+
+    A remote node's environment starts from ds-run's variables with :data:`EXPORT_PREFIXES`
+    (from ``environ``); ``.deepspeed_env`` overrides those, and the contract overrides all.
+    """
     world = placement.world_size
+    exported = {k: v for k, v in (environ or {}).items() if k.startswith(EXPORT_PREFIXES)}
     nodes = []
     for node in placement.nodes:
-        common = dict(env_vars)
+        local = is_local[node.host]
+        common = {} if local else dict(exported)
+        common.update(env_vars)
         common.update({
             contract.WORLD_SIZE: str(world),
             contract.LOCAL_WORLD_SIZE: str(len(node.slots)),
@@ -126,12 +141,13 @@ def build_plan(
         nodes.append(NodePlan(
             host=node.host,
             node_rank=node.node_rank,
-            local=is_local[node.host],
+            local=local,
             cwd=cwd,
             env=tuple(common.items()),
             workers=workers,
             log_dir=options.log_dir,
             bind_cores_to_rank=options.bind_cores_to_rank,
             stop_grace=options.stop_grace,
+            lease_timeout=0.0 if local else options.monitor_timeout,
         ))
     return LaunchPlan(run_id, master_addr, master_port, world, tuple(nodes))

@@ -1,13 +1,14 @@
 """Backends start one agent per node; the coordinator only sees :class:`AgentHandle`s.
 
-Backends register by name in :data:`BACKENDS`; ``ds-run --launcher NAME`` picks one.
+``local`` runs agents of nodes that are this machine; the remote backends (``ssh``) are
+chosen by ``ds-run --launcher NAME`` and imported only when a remote node exists.
 """
 
 from __future__ import annotations
 
-from .base import AgentHandle, Backend
+from .base import AgentHandle, Backend, Router
 from .local import LocalBackend
 
-BACKENDS: dict[str, type[Backend]] = {LocalBackend.name: LocalBackend}
+REMOTE_BACKENDS = ("ssh",)
 
-__all__ = ["BACKENDS", "AgentHandle", "Backend", "LocalBackend"]
+__all__ = ["REMOTE_BACKENDS", "AgentHandle", "Backend", "LocalBackend", "Router"]

@@ -19,7 +19,7 @@ class AgentHandle(ABC):
 
     @abstractmethod
     def stop(self) -> None:
-        """Close the channel: the agent stops its workers and exits. Idempotent."""
+        """Close our side of the channel: the agent stops its workers and exits. Idempotent."""
 
     @abstractmethod
     def wait(self, timeout: float) -> int | None:
@@ -29,12 +29,55 @@ class AgentHandle(ABC):
     def kill(self) -> None:
         """Last resort when the agent does not exit after :meth:`stop`."""
 
+    def ping(self) -> None:  # noqa: B027  (optional: a no-op where the channel cannot be lost)
+        """Renew the agent's lease: an agent that hears nothing for its lease stops."""
+
+    def diagnostics(self) -> list[str]:
+        """What the agent printed outside the protocol (e.g. why it could not start)."""
+        return []
+
 
 class Backend(ABC):
     """Starts agents on nodes. Subclasses set ``name`` and implement :meth:`start`."""
 
     name: str
 
+    def prepare(self, nodes: tuple[NodePlan, ...]) -> None:  # noqa: B027
+        """Everything that can fail before any worker starts (e.g. opening connections);
+        raises :class:`~deepshard.errors.UsageError` naming the host and the fix."""
+
     @abstractmethod
     def start(self, node: NodePlan) -> AgentHandle:
         """Start the agent for ``node`` and hand it its plan; returns at once."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections once every agent has exited."""
+
+
+class Router(Backend):
+    """Local nodes to one backend, the others to another (ssh, pdsh)."""
+
+    name = "router"
+
+    def __init__(self, local: Backend, remote: Backend | None):
+        self.local = local
+        self.remote = remote
+
+    def _for(self, node: NodePlan) -> Backend:
+        if node.local:
+            return self.local
+        assert self.remote is not None, "a remote node needs a remote backend"
+        return self.remote
+
+    def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
+        self.local.prepare(tuple(n for n in nodes if n.local))
+        if self.remote is not None:
+            self.remote.prepare(tuple(n for n in nodes if not n.local))
+
+    def start(self, node: NodePlan) -> AgentHandle:
+        return self._for(node).start(node)
+
+    def close(self) -> None:
+        self.local.close()
+        if self.remote is not None:
+            self.remote.close()

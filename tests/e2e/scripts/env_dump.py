@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import sys
 
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
@@ -13,5 +14,6 @@ print("ENV " + json.dumps({
     "extra": {k: os.fsencode(os.environ[k]).hex() for k in extra},
     "argv": sys.argv[1:],
     "cwd": os.getcwd(),
+    "hostname": socket.gethostname(),
     "affinity": sorted(os.sched_getaffinity(0)),
 }), flush=True)

@@ -1,0 +1,249 @@
+"""The ssh backend: one agent per remote host over paramiko, no external binary.
+
+Connections to every host are opened in parallel before anything starts, so an
+unreachable host, a refused key or an unknown host key fails the launch at once, naming
+the host and the reason, with no worker started anywhere. Each agent then runs as the
+remote command ``cd <cwd> && exec <python> -m deepshard.launcher.agent`` of one session
+without a pty: its node plan, environment included, travels as JSON on the session's
+stdin (data, never shell), and closing the session delivers EOF to the agent, which then
+stops its workers. Only the working directory and the Python path are in the command
+line, each through ``shlex.quote``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import shlex
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import UsageError
+from ..entry import AGENT_MODULE
+from ..plan import NodePlan
+from ..ssh_config import SSHTarget, load_config_text, parse_jump, resolve_target
+from .base import AgentHandle, Backend
+
+STDERR_TAIL = 20
+
+
+class HostError(Exception):
+    """Why one host could not be reached; ``hint`` is the fix."""
+
+    def __init__(self, host: str, reason: str, hint: str):
+        super().__init__(f"{host}: {reason}")
+        self.host, self.reason, self.hint = host, reason, hint
+
+
+def agent_command(node: NodePlan, python: str) -> str:
+    """The remote shell command that becomes the agent."""
+    return f"cd {shlex.quote(node.cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
+
+
+class RemoteAgent(AgentHandle):
+    """An agent on the other end of one SSH session."""
+
+    def __init__(self, node: NodePlan, client, python: str):
+        self.node = node
+        self._chan = client.get_transport().open_session()
+        self._chan.exec_command(agent_command(node, python))
+        self._chan.sendall(node.to_json().encode("utf-8", "surrogateescape") + b"\n")
+        self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        threading.Thread(target=self._relay_stderr, daemon=True,
+                         name=f"stderr-{node.host}").start()
+
+    def _relay_stderr(self) -> None:
+        for raw in self._chan.makefile_stderr("rb"):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self._stderr.append(line)
+            sys.stderr.write(f"[{self.node.host} agent] {line}\n")
+
+    def lines(self) -> Iterator[str]:
+        for raw in self._chan.makefile("rb"):
+            yield raw.decode("utf-8", "surrogateescape")
+
+    def ping(self) -> None:
+        with contextlib.suppress(OSError, EOFError, Exception):
+            self._chan.sendall(b"\n")
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, EOFError, Exception):
+            self._chan.shutdown_write()
+
+    def wait(self, timeout: float) -> int | None:
+        if not self._chan.status_event.wait(timeout):
+            return None
+        return self._chan.recv_exit_status()
+
+    def kill(self) -> None:
+        self._chan.close()
+
+    def diagnostics(self) -> list[str]:
+        return list(self._stderr)
+
+
+class SSHBackend(Backend):
+    """Starts agents on remote hosts over SSH (paramiko)."""
+
+    name = "ssh"
+
+    def __init__(self, *, ssh_port: int | None = None, remote_python: str | None = None,
+                 connect_timeout: float = 10.0, config_path: Path | None = None):
+        self.ssh_port = ssh_port
+        self.python = remote_python or sys.executable
+        self.connect_timeout = connect_timeout
+        self._config_text = load_config_text(config_path)
+        self._clients: dict[str, object] = {}
+        self._extra: list[object] = []  # jump-host clients, closed last
+
+    def target(self, alias: str) -> SSHTarget:
+        return resolve_target(alias, self._config_text, port_override=self.ssh_port)
+
+    def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
+        """Connect to every host in parallel; raise one UsageError naming every failure."""
+        hosts = [n.host for n in nodes]
+        with ThreadPoolExecutor(max_workers=min(64, max(1, len(hosts)))) as pool:
+            results = list(pool.map(self._try_connect, hosts))
+        failures = [r for r in results if isinstance(r, HostError)]
+        for host, result in zip(hosts, results, strict=True):
+            if not isinstance(result, HostError):
+                self._clients[host] = result
+        if failures:
+            self.close()
+            first = failures[0]
+            more = "".join(f"; {f.host}: {f.reason}" for f in failures[1:])
+            raise UsageError(f"cannot reach {len(failures)} of {len(hosts)} host(s): "
+                             f"{first.reason}{more}", where=first.host, hint=first.hint)
+
+    def start(self, node: NodePlan) -> AgentHandle:
+        return RemoteAgent(node, self._clients[node.host], self.python)
+
+    def close(self) -> None:
+        for client in [*self._clients.values(), *self._extra]:
+            with contextlib.suppress(Exception):
+                client.close()  # type: ignore[attr-defined]
+        self._clients.clear()
+        self._extra.clear()
+
+    # -- connecting --------------------------------------------------------------------------
+    def _try_connect(self, alias: str):
+        try:
+            return self._connect(self.target(alias), sock=None, jumps=None)
+        except HostError as exc:
+            return exc
+
+    def _connect(self, target: SSHTarget, sock, jumps: tuple[str, ...] | None):
+        import paramiko
+
+        if jumps is None:
+            jumps = target.proxy_jump
+        if jumps:
+            sock = self._through_jumps(target, jumps)
+        client = paramiko.SSHClient()
+        keys = client.get_host_keys()
+        for path in target.known_hosts_files:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                keys.load(path)
+        client.set_missing_host_key_policy(_policy(target))
+        reach = f"{target.hostname}:{target.port}"
+        try:
+            client.connect(
+                target.hostname, port=target.port, username=target.user,
+                key_filename=[p for p in target.identity_files if Path(p).exists()] or None,
+                timeout=self.connect_timeout, banner_timeout=self.connect_timeout,
+                auth_timeout=self.connect_timeout, sock=sock,
+            )
+        except _UnknownHostKey:
+            raise HostError(target.alias, f"the host key of {reach} is not in known_hosts",
+                            f"run `ssh {target.alias}` once to check and record it "
+                            "(or set StrictHostKeyChecking accept-new for it in "
+                            "~/.ssh/config)") from None
+        except paramiko.BadHostKeyException:
+            raise HostError(target.alias, f"the host key of {reach} has CHANGED since it was "
+                            "recorded", f"if the change is expected, remove the old key "
+                            f"with `ssh-keygen -R {target.hostname}`") from None
+        except paramiko.AuthenticationException:
+            raise HostError(target.alias, f"{target.user}@{reach} refused our keys",
+                            f"authorise a key with `ssh-copy-id {target.user}@{target.alias}` "
+                            "or name one with IdentityFile in ~/.ssh/config") from None
+        except socket.gaierror:
+            raise HostError(target.alias, f"cannot resolve {target.hostname!r}",
+                            "check the name in the hostfile, or give it a HostName in "
+                            "~/.ssh/config") from None
+        except paramiko.ssh_exception.NoValidConnectionsError:
+            raise HostError(target.alias, f"connection refused by {reach}",
+                            "check that sshd runs there and the port (--ssh_port, Port)"
+                            ) from None
+        except TimeoutError:
+            raise HostError(target.alias, f"no answer from {reach} within "
+                            f"{self.connect_timeout:g} s", "check that the host is up and "
+                            "reachable from here") from None
+        except OSError as exc:
+            reason = ("unreachable" if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+                      else exc.strerror or str(exc))
+            raise HostError(target.alias, f"{reach}: {reason}",
+                            "check that the host is up and reachable from here") from None
+        except paramiko.SSHException as exc:
+            raise HostError(target.alias, f"ssh to {reach} failed: {exc}",
+                            f"try `ssh -v {target.alias}`") from None
+        client.get_transport().set_keepalive(5)
+        return client
+
+    def _through_jumps(self, target: SSHTarget, jumps: tuple[str, ...]):
+        """A channel to ``target`` tunnelled through the jump hosts, in order."""
+        sock = None
+        hops = [*jumps]
+        client = None
+        for i, spec in enumerate(hops):
+            user, host, port = parse_jump(spec)
+            hop = resolve_target(host, self._config_text, port_override=port)
+            if user:
+                hop = SSHTarget(**{**hop.__dict__, "user": user})
+            client = self._connect(hop, sock=sock, jumps=())
+            self._extra.append(client)
+            if i + 1 < len(hops):
+                _, nxt_host, nxt_port = parse_jump(hops[i + 1])
+                nxt = resolve_target(nxt_host, self._config_text, port_override=nxt_port)
+                dest = (nxt.hostname, nxt.port)
+            else:
+                dest = (target.hostname, target.port)
+            try:
+                sock = client.get_transport().open_channel("direct-tcpip", dest, ("", 0))
+            except Exception as exc:
+                raise HostError(target.alias, f"jump host {host} cannot reach "
+                                f"{dest[0]}:{dest[1]} ({exc})",
+                                "check ProxyJump in ~/.ssh/config") from None
+        return sock
+
+
+class _UnknownHostKey(Exception):
+    pass
+
+
+def _policy(target: SSHTarget):
+    import paramiko
+
+    class Refuse(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client, hostname, key):
+            raise _UnknownHostKey(hostname)
+
+    class AcceptNew(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client, hostname, key):
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            if target.known_hosts_files:
+                path = Path(target.known_hosts_files[0])
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "a") as known:
+                    known.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+    class AcceptAny(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client, hostname, key):
+            return None
+
+    return {"yes": Refuse, "accept-new": AcceptNew, "no": AcceptAny}[
+        target.strict_host_key_checking]()

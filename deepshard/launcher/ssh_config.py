@@ -1,0 +1,97 @@
+"""Where and how to reach each host over SSH, from the user's ``~/.ssh/config``.
+
+Pure but for reading the config file: :func:`resolve_target` turns a hostfile name into an
+:class:`SSHTarget` (address, port, user, keys, known_hosts files, host key policy, jump
+hosts), following the OpenSSH keywords paramiko's ``SSHConfig`` understands.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+
+DEFAULT_PORT = 22
+POLICIES = {"yes": "yes", "ask": "yes", "accept-new": "accept-new", "no": "no", "off": "no"}
+
+
+@dataclass(frozen=True)
+class SSHTarget:
+    """How to connect to one host."""
+
+    alias: str
+    """The name in the hostfile."""
+    hostname: str
+    """The address to connect to (``HostName``, else the alias)."""
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    known_hosts_files: tuple[str, ...]
+    strict_host_key_checking: str
+    """``yes`` (also for ``ask`` and by default): refuse unknown hosts; ``accept-new``:
+    record unknown hosts, refuse changed keys; ``no``: accept any key, record nothing."""
+    proxy_jump: tuple[str, ...] = ()
+    """Jump hosts in order (``ProxyJump``), each ``[user@]host[:port]``."""
+
+
+def default_config_path() -> Path:
+    return Path(os.path.expanduser("~/.ssh/config"))
+
+
+def load_config_text(path: Path | None = None) -> str:
+    """The text of the user's ssh config ('' when there is none)."""
+    path = path or default_config_path()
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read ssh config ({exc})", where=str(path)) from None
+
+
+def resolve_target(alias: str, config_text: str, *, port_override: int | None = None,
+                   default_user: str | None = None) -> SSHTarget:
+    """Resolve ``alias`` through the config; ``port_override`` is ``--ssh_port``."""
+    import paramiko  # ~300 ms: only when a remote host is launched
+
+    try:
+        conf = paramiko.SSHConfig.from_text(config_text).lookup(alias)
+    except Exception as exc:  # paramiko raises several types on a malformed file
+        raise UsageError(f"cannot parse ssh config ({exc})", where=str(default_config_path()),
+                         hint="check the file with `ssh -G <host>`") from None
+    strict = str(conf.get("stricthostkeychecking", "yes")).lower()
+    if strict not in POLICIES:
+        raise UsageError(f"StrictHostKeyChecking {strict!r} for {alias} is not supported",
+                         where=str(default_config_path()), hint="use yes, accept-new or no")
+    known = conf.get("userknownhostsfile", "~/.ssh/known_hosts ~/.ssh/known_hosts2")
+    jumps = conf.get("proxyjump", "")
+    port_text = str(port_override or conf.get("port", DEFAULT_PORT))
+    if not port_text.isdigit():
+        raise UsageError(f"Port {port_text!r} for {alias} is not a number",
+                         where=str(default_config_path()), hint="use Port 22")
+    return SSHTarget(
+        alias=alias,
+        hostname=conf.get("hostname", alias),
+        port=int(port_text),
+        user=conf.get("user") or default_user or _local_user(),
+        identity_files=tuple(os.path.expanduser(p) for p in conf.get("identityfile", [])),
+        known_hosts_files=tuple(os.path.expanduser(p) for p in str(known).split()),
+        strict_host_key_checking=POLICIES[strict],
+        proxy_jump=tuple(j.strip() for j in jumps.split(",") if j.strip()
+                         and jumps.strip().lower() != "none"),
+    )
+
+
+def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
+    """``[user@]host[:port]`` → (user, host, port)."""
+    user, _, rest = spec.rpartition("@")
+    host, sep, port = rest.partition(":")
+    return (user or None, host, int(port) if sep and port.isdigit() else None)
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
