@@ -17,9 +17,6 @@ tells the agent to stop its workers and exit.
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, field
-from typing import Any
 
 # --- the environment contract every worker receives ---------------------------------------
 RANK = "RANK"
@@ -54,29 +51,43 @@ ALIVE_INTERVAL = 1.0
 agent's stdin, which renews the agent's lease)."""
 
 
-_RANK = re.compile(r"[0-9]+\Z")
-
-
-@dataclass(frozen=True)
 class Event:
     """One event from an agent: its ``kind`` (one of the ``EV_*`` names) and its fields."""
 
-    kind: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("fields", "kind")
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def __init__(self, kind: str, fields: dict[str, object] | None = None):
+        self.kind = kind
+        self.fields = fields or {}
+
+    def get(self, key: str, default: object = None) -> object:
         return self.fields.get(key, default)
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Event) and (self.kind, self.fields) == (other.kind,
+                                                                        other.fields)
 
-@dataclass(frozen=True)
+    def __repr__(self) -> str:
+        return f"Event({self.kind!r}, {self.fields!r})"
+
+
 class Output:
     """One line of a worker's output, without its newline."""
 
-    rank: int
-    text: str
+    __slots__ = ("rank", "text")
+
+    def __init__(self, rank: int, text: str):
+        self.rank = rank
+        self.text = text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Output) and (self.rank, self.text) == (other.rank, other.text)
+
+    def __repr__(self) -> str:
+        return f"Output({self.rank!r}, {self.text!r})"
 
 
-def encode_event(kind: str, **fields: Any) -> str:
+def encode_event(kind: str, **fields: object) -> str:
     """The protocol line (with newline) for an event."""
     return "e " + json.dumps({"kind": kind, **fields}, separators=(",", ":")) + "\n"
 
@@ -91,7 +102,7 @@ def decode_line(line: str) -> Event | Output | None:
     line = line.rstrip("\n")
     if line.startswith("o "):
         rank, _, text = line[2:].partition(" ")
-        if _RANK.match(rank):
+        if rank.isascii() and rank.isdigit():
             return Output(int(rank), text)
     elif line.startswith("e "):
         try:

@@ -1,7 +1,7 @@
 """The per-node agent: starts this node's workers, relays their output, and stops them.
 
-Run as ``python -m deepshard.launcher.agent``; the first line on stdin is the
-:class:`~.plan.NodePlan` as JSON. The agent then
+Run as ``python -c <entry.AGENT_ARGS>`` (or ``python -m deepshard.launcher.agent``); the
+first line on stdin is the :class:`~.plan.NodePlan` as JSON. The agent then
 
 * starts one worker per slot, each in its own session (process group), with the env
   contract, ``OMP_NUM_THREADS`` (cores / workers unless the user set it) and, when asked,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import json
 import os
 import queue
 import signal
@@ -29,13 +30,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
+import types
 
 from .. import contract
-from .plan import NodePlan, WorkerPlan
+
+# Start-up cost matters here (one agent per host, all at once): no dataclasses, pathlib or
+# typing at run time. The plan is read as plain JSON (see read_node_plan).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import BinaryIO
+
+    from .plan import NodePlan, WorkerPlan
 
 _PR_SET_CHILD_SUBREAPER = 36
 _MAX_LINE = 1 << 16
@@ -54,13 +60,16 @@ class AgentState(enum.Enum):
     STOPPED = "stopped"
 
 
-@dataclass
 class _Worker:
-    plan: WorkerPlan
-    proc: subprocess.Popen[bytes]
-    reader: threading.Thread
-    returncode: int | None = None
-    reported: bool = False
+    __slots__ = ("plan", "proc", "reader", "reported", "returncode")
+
+    def __init__(self, plan: WorkerPlan, proc: subprocess.Popen[bytes],
+                 reader: threading.Thread):
+        self.plan = plan
+        self.proc = proc
+        self.reader = reader
+        self.returncode: int | None = None
+        self.reported = False
 
 
 class _Channel:
@@ -172,7 +181,7 @@ class Agent:
         cores = sorted(os.sched_getaffinity(0))
         blocks = core_sets(cores, len(node.workers)) if node.bind_cores_to_rank else None
         if node.log_dir:
-            Path(node.log_dir).mkdir(parents=True, exist_ok=True)
+            os.makedirs(node.log_dir, exist_ok=True)
         for i, plan in enumerate(node.workers):
             env = dict(base)
             env.update(plan.env)
@@ -198,7 +207,7 @@ class Agent:
     def _open_log(self, rank: int) -> BinaryIO | None:
         if not self.node.log_dir:
             return None
-        return open(Path(self.node.log_dir) / f"rank_{rank}.log", "ab", buffering=0)
+        return open(os.path.join(self.node.log_dir, f"rank_{rank}.log"), "ab", buffering=0)
 
     def _relay(self, rank: int, proc: subprocess.Popen[bytes], log: BinaryIO | None) -> None:
         assert proc.stdout is not None
@@ -340,11 +349,17 @@ def _read_plan_line() -> bytes:
     return data.partition(b"\n")[0]
 
 
+def read_node_plan(text: str) -> NodePlan:
+    """The node plan as the agent uses it: attribute access over the JSON of
+    :meth:`NodePlan.to_json` (the same fields; ``env`` entries are ``[key, value]`` lists)."""
+    return json.loads(text, object_hook=lambda d: types.SimpleNamespace(**d))
+
+
 def main() -> int:
     line = _read_plan_line()
     if not line:  # dismissed before a plan was sent (see backends.local.spawn_agent)
         return 0
-    node = NodePlan.from_json(line.decode("utf-8", "surrogateescape"))
+    node = read_node_plan(line.decode("utf-8", "surrogateescape"))
     agent = Agent(node, sys.stdout.buffer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: agent.request_stop(signal.Signals(signum).name))

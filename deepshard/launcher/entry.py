@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default hostfile, used when it exists
-AGENT_MODULE = "deepshard.launcher.agent"
+AGENT_ARGS = ("-c", "import sys; from deepshard.launcher.agent import main; sys.exit(main())")
+"""How Python starts an agent (``-c`` rather than ``-m``: runpy costs ~7 ms, per host)."""
 _NOT_LOCAL = frozenset({"-H", "--hostfile", "--dry_run", "-h", "--help", "--version",
                         "--launcher"})
 
@@ -29,7 +30,7 @@ def spawn_agent(python: str = sys.executable) -> subprocess.Popen[bytes]:
     """
     # its own session: a Ctrl-C in the terminal reaches ds-run only, which then stops the
     # agent in order (the agent stops its workers, then reports)
-    return subprocess.Popen([python, "-m", AGENT_MODULE], stdin=subprocess.PIPE,
+    return subprocess.Popen([python, *AGENT_ARGS], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, start_new_session=True)
 
 

@@ -3,7 +3,7 @@
 Connections to every host are opened in parallel before anything starts, so an
 unreachable host, a refused key or an unknown host key fails the launch at once, naming
 the host and the reason, with no worker started anywhere. Each agent then runs as the
-remote command ``cd <cwd> && exec <python> -m deepshard.launcher.agent`` of one session
+remote command ``cd <cwd> && exec <python> -c <agent bootstrap>`` of one session
 without a pty: its node plan, environment included, travels as JSON on the session's
 stdin (data, never shell), and closing the session delivers EOF to the agent, which then
 stops its workers. Only the working directory and the Python path are in the command
@@ -24,9 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...errors import UsageError
-from ..entry import AGENT_MODULE
+from ..entry import AGENT_ARGS
 from ..plan import NodePlan
-from ..ssh_config import SSHTarget, load_config_text, parse_jump, resolve_target
+from ..ssh_config import (
+    SSHTarget,
+    import_paramiko,
+    load_config_text,
+    parse_jump,
+    resolve_target,
+)
 from .base import AgentHandle, Backend
 
 STDERR_TAIL = 20
@@ -42,7 +48,7 @@ class HostError(Exception):
 
 def agent_command(node: NodePlan, python: str) -> str:
     """The remote shell command that becomes the agent."""
-    return f"cd {shlex.quote(node.cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
+    return f"cd {shlex.quote(node.cwd)} && exec {shlex.join([python, *AGENT_ARGS])}"
 
 
 class RemoteAgent(AgentHandle):
@@ -138,8 +144,7 @@ class SSHBackend(Backend):
             return exc
 
     def _connect(self, target: SSHTarget, sock, jumps: tuple[str, ...] | None):
-        import paramiko
-
+        paramiko = import_paramiko()
         if jumps is None:
             jumps = target.proxy_jump
         if jumps:
@@ -191,7 +196,11 @@ class SSHBackend(Backend):
         except paramiko.SSHException as exc:
             raise HostError(target.alias, f"ssh to {reach} failed: {exc}",
                             f"try `ssh -v {target.alias}`") from None
-        client.get_transport().set_keepalive(5)
+        transport = client.get_transport()
+        transport.set_keepalive(5)
+        # small protocol messages (a ping, an exit event) must not wait for delayed ACKs
+        with contextlib.suppress(OSError, AttributeError):
+            transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return client
 
     def _through_jumps(self, target: SSHTarget, jumps: tuple[str, ...]):
@@ -226,7 +235,7 @@ class _UnknownHostKey(Exception):
 
 
 def _policy(target: SSHTarget):
-    import paramiko
+    paramiko = import_paramiko()
 
     class Refuse(paramiko.MissingHostKeyPolicy):
         def missing_host_key(self, client, hostname, key):

@@ -1,0 +1,91 @@
+"""SSH fan-out: time to start (and finish) a trivial job on 1, 4, 16 and 32 hosts.
+
+The hosts are real: network namespaces on this machine, each with its own sshd (the
+cluster fixture of the tests, ``tests/cluster/simcluster.py``; needs root, iproute2 and
+openssh-server). ds-run's ssh backend (one agent per host, which starts the worker) runs
+against ``pdsh -R ssh`` running the worker directly, alternated in the same run; the table
+gives medians and the ratio ds-run / pdsh.
+
+    sudo python benchmarks/fanout.py [--rounds 5] [--hosts 1,4,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.cluster.simcluster import SimCluster, missing_tools  # noqa: E402
+
+TRIVIAL = str(ROOT / "benchmarks" / "trivial.py")
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    result = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True,
+                            check=False)
+    elapsed = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"{argv[0]} failed ({result.returncode}): {result.stderr[-800:]}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hosts", default="1,4,16,32")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.hosts.split(",")]
+    missing = missing_tools() + ([] if shutil.which("pdsh") else ["pdsh"])
+    if missing:
+        raise SystemExit(f"fanout.py needs {', '.join(missing)}")
+    ds_run = str(Path(sys.executable).with_name("ds-run"))
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = SimCluster(max(counts), Path(tmp) / "cluster", prefix="dsb", subnet=9)
+        try:
+            cluster.start()
+            home = cluster.home
+            env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+            env["HOME"] = str(home)
+            # pdsh's ssh reads the same config and known_hosts as ds-run
+            env["PDSH_SSH_ARGS_APPEND"] = (f"-F {home}/.ssh/config "
+                                           f"-o UserKnownHostsFile={home}/.ssh/known_hosts")
+            rows = []
+            for n in counts:
+                names = [h.name for h in cluster.hosts[:n]]
+                hostfile = cluster.hostfile(slots=1, names=names)
+                runs = {
+                    "ds-run": [ds_run, "-H", str(hostfile), TRIVIAL],
+                    "pdsh": ["pdsh", "-R", "ssh", "-f", "256", "-w", ",".join(names),
+                             f"{sys.executable} {TRIVIAL}"],
+                }
+                times: dict[str, list[float]] = {k: [] for k in runs}
+                for argv in runs.values():
+                    timed(argv, env)  # warm-up
+                for _ in range(args.rounds):
+                    for name, argv in runs.items():
+                        times[name].append(timed(argv, env))
+                rows.append((n, {k: statistics.median(v) for k, v in times.items()}))
+        finally:
+            cluster.stop()
+    print(f"trivial job, one worker per host, median of {args.rounds} alternating rounds; "
+          f"{os.cpu_count()} cores (sshd of every host on this machine too)")
+    print()
+    print("| hosts | ds-run ssh (s) | pdsh -R ssh (s) | ds-run / pdsh |")
+    print("|---:|---:|---:|---:|")
+    for n, med in rows:
+        print(f"| {n} | {med['ds-run']:.3f} | {med['pdsh']:.3f} | "
+              f"{med['ds-run'] / med['pdsh']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
