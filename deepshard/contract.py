@@ -10,12 +10,15 @@ Agent → coordinator, one line each, UTF-8:
 * ``e <json>``: an :class:`Event`, a JSON object with at least ``"kind"``.
 
 Coordinator → agent: the first line on the agent's stdin is its node plan as JSON
-(so that no value ever passes through a shell or shows in ``ps``); closing stdin (EOF)
-tells the agent to stop its workers and exit.
+(so that no value ever passes through a shell or shows in ``ps``); each later newline
+renews the agent's lease; closing stdin (EOF) tells the agent to stop its workers and exit.
+Through pdsh, which forwards no stdin, the plans come on the command line instead:
+``--plans-b64 <token> --host <name>`` (:func:`encode_node_plans`).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 
 # --- the environment contract every worker receives ---------------------------------------
@@ -113,3 +116,20 @@ def decode_line(line: str) -> Event | Output | None:
             kind = data.pop("kind")
             return Event(kind, data)
     return None
+
+
+PLANS_FLAG = "--plans-b64"
+HOST_FLAG = "--host"
+
+
+def encode_node_plans(plans: dict[str, str]) -> str:
+    """Node plans (host -> plan JSON) as one shell-safe token for a command line."""
+    data = {host: json.loads(text) for host, text in plans.items()}
+    raw = json.dumps(data, separators=(",", ":")).encode("utf-8", "surrogateescape")
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_node_plan(token: str, host: str) -> str:
+    """The plan JSON of ``host`` from an :func:`encode_node_plans` token."""
+    data = json.loads(base64.b64decode(token).decode("utf-8", "surrogateescape"))
+    return json.dumps(data[host])

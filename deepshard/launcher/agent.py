@@ -355,11 +355,17 @@ def read_node_plan(text: str) -> NodePlan:
     return json.loads(text, object_hook=lambda d: types.SimpleNamespace(**d))
 
 
-def main() -> int:
-    line = _read_plan_line()
-    if not line:  # dismissed before a plan was sent (see backends.local.spawn_agent)
-        return 0
-    node = read_node_plan(line.decode("utf-8", "surrogateescape"))
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if contract.PLANS_FLAG in args:  # started by pdsh, which forwards no stdin
+        text = contract.decode_node_plan(args[args.index(contract.PLANS_FLAG) + 1],
+                                         args[args.index(contract.HOST_FLAG) + 1])
+    else:
+        line = _read_plan_line()
+        if not line:  # dismissed before a plan was sent (see entry.spawn_agent)
+            return 0
+        text = line.decode("utf-8", "surrogateescape")
+    node = read_node_plan(text)
     agent = Agent(node, sys.stdout.buffer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: agent.request_stop(signal.Signals(signum).name))

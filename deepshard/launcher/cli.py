@@ -49,10 +49,12 @@ from .resources import interface_addresses, is_local, local_names, probe_local
               "when every host is this machine].")
 @click.option("--master_port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port [default: a free port].")
-@click.option("--launcher", type=click.Choice(["ssh", "local"]), default="ssh",
+@click.option("--launcher", type=click.Choice(["ssh", "pdsh", "local"]), default="ssh",
               show_default=True,
               help="How agents start on hosts that are not this machine (ssh: paramiko, no "
-                   "external binary; local: refuse remote hosts).")
+                   "external binary; pdsh: as DeepSpeed does; local: refuse remote hosts).")
+@click.option("--launcher_args", default="", metavar="ARGS",
+              help="Extra pdsh arguments (--launcher pdsh only).")
 @click.option("--ssh_port", type=click.IntRange(1, 65535), default=None,
               help="SSH port for every host [default: ~/.ssh/config's Port, else 22].")
 @click.option("--remote_python", default=None, metavar="PATH",
@@ -106,7 +108,15 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
             f"host {remote[0]!r} is not this machine, and --launcher local starts workers on "
             "this machine only", where=options.hostfile or DEFAULT_HOSTFILE,
             hint="drop --launcher local to reach it over ssh, or --include localhost")
-    from .backends.ssh import SSHBackend  # paramiko: ~300 ms, only for remote hosts
+    if options.launcher == "pdsh":
+        from .backends.pdsh import PdshBackend
+
+        return PdshBackend(remote_python=options.remote_python,
+                           launcher_args=options.launcher_args)
+    if options.launcher_args:
+        raise UsageError("--launcher_args is only used by --launcher pdsh", where="ds-run",
+                         hint="drop --launcher_args, or add --launcher pdsh")
+    from .backends.ssh import SSHBackend  # paramiko: ~200 ms, only for remote hosts
 
     return SSHBackend(ssh_port=options.ssh_port, remote_python=options.remote_python,
                       connect_timeout=options.ssh_connect_timeout)

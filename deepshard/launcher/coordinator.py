@@ -123,10 +123,12 @@ class Coordinator:
             for i in open_channels - done:
                 silent = now - last_heard[i]
                 if silent > self.monitor_timeout:
-                    host = self._agents[i].node.host
+                    agent = self._agents[i]
                     last_heard[i] = now
-                    self._fail(Failure(host, None, None, f"no word from the agent on {host} "
-                                       f"for {silent:.0f} s (host or network down?)"))
+                    self._fail(Failure(agent.node.host, None, None, f"no word from the agent on "
+                                       f"{agent.node.host} for {silent:.0f} s (host or network "
+                                       "down?)"))
+                    agent.kill()  # nothing will come; the agent stops itself (its lease)
             try:
                 kind, index, payload = self._queue.get(timeout=max(0.01, next_ping - now))
             except queue.Empty:
@@ -210,12 +212,13 @@ class Coordinator:
         return max((n.stop_grace for n in self.plan.nodes), default=0.0)
 
     def _reap_agents(self) -> None:
-        deadline = time.monotonic() + self._stop_grace() + 5.0
+        """Wait for stopped agents until the give-up time of :meth:`_stop_all`, then kill."""
+        deadline = self._give_up_at or time.monotonic()
         for agent in self._agents:
             if agent.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 self.err.write(f"ds-run: agent on {agent.node.host} did not exit; killing it\n")
                 agent.kill()
-                agent.wait(timeout=5.0)
+                agent.wait(timeout=1.0)
 
     # -- outcome ---------------------------------------------------------------------------
     def _finish(self) -> int:

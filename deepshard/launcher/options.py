@@ -25,6 +25,8 @@ class LaunchOptions:
     """``None`` picks a free port, so two jobs on one machine never collide."""
     launcher: str = "ssh"
     """How agents start on nodes that are not this machine (this machine's are local)."""
+    launcher_args: str = ""
+    """Extra arguments for pdsh (``--launcher pdsh``)."""
     ssh_port: int | None = None
     remote_python: str | None = None
     """The Python on remote hosts; by default the one running ds-run (same path)."""

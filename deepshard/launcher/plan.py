@@ -148,6 +148,8 @@ def build_plan(
             log_dir=options.log_dir,
             bind_cores_to_rank=options.bind_cores_to_rank,
             stop_grace=options.stop_grace,
-            lease_timeout=0.0 if local else options.monitor_timeout,
+            # pdsh forwards no stdin, so no pings: its agents rely on the session's end
+            lease_timeout=0.0 if local or options.launcher == "pdsh"
+            else options.monitor_timeout,
         ))
     return LaunchPlan(run_id, master_addr, master_port, world, tuple(nodes))

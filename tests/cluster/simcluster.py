@@ -166,7 +166,9 @@ class SimCluster:
             f"AuthorizedKeysFile {self.workdir / 'authorized_keys'}\nPidFile none\n"
             "StrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            "MaxStartups 100:30:200\nMaxSessions 100\nLogLevel ERROR\n")
+            "MaxStartups 100:30:200\nMaxSessions 100\nLogLevel ERROR\n"
+            # drop a dead client within seconds, as production sshd configs do
+            "ClientAliveInterval 1\nClientAliveCountMax 3\n")
         log = open(hostdir / "sshd.log", "ab")  # noqa: SIM115  (kept by the process)
         host.sshd = subprocess.Popen(
             ["ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c",

@@ -188,3 +188,25 @@ def test_proxy_jump(cluster, cluster_env):
     result = run_ds("-H", str(hostfile), ENV_DUMP, env=cluster_env)
     assert result.returncode == 0, result.stderr
     assert contract_lines(result.stdout)[0]["hostname"] == "dsh3"
+
+
+def test_lost_network_is_detected_and_both_sides_stop(cluster, cluster_env, tmp_path):
+    """A host that drops off the network: the coordinator hears nothing for
+    --monitor_timeout and stops the job; the cut-off agent hears no ping for as long and
+    stops its workers itself."""
+    hostfile = cluster.hostfile(slots=1, names=["dsh1", "dsh2"])
+    proc = subprocess.Popen(
+        ds_run_argv("-H", str(hostfile), "--monitor_timeout", "3", SLEEPER, str(tmp_path)),
+        cwd=ROOT, env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pids(tmp_path, 2, proc, timeout=60)
+    host = cluster.hosts[1]
+    assert host.exec("ip", "link", "set", "eth0", "down").returncode == 0
+    try:
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        assert "no word from the agent on dsh2" in err
+        assert time.monotonic() - start < 30
+        assert not cluster.wait_no_strays(timeout=15)
+    finally:
+        host.exec("ip", "link", "set", "eth0", "up")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import queue
 import shlex
 import socket
 import sys
@@ -52,16 +53,38 @@ def agent_command(node: NodePlan, python: str) -> str:
 
 
 class RemoteAgent(AgentHandle):
-    """An agent on the other end of one SSH session."""
+    """An agent on the other end of one SSH session.
+
+    Everything sent to it goes through one writer thread: a send to a host whose network
+    is gone blocks inside paramiko, and must not block the coordinator.
+    """
 
     def __init__(self, node: NodePlan, client, python: str):
         self.node = node
-        self._chan = client.get_transport().open_session()
+        self._transport = client.get_transport()
+        self._chan = self._transport.open_session()
         self._chan.exec_command(agent_command(node, python))
         self._chan.sendall(node.to_json().encode("utf-8", "surrogateescape") + b"\n")
         self._stderr: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        self._outbox: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._relay_stderr, daemon=True,
                          name=f"stderr-{node.host}").start()
+        threading.Thread(target=self._write, daemon=True, name=f"writer-{node.host}").start()
+
+    def _write(self) -> None:
+        while True:
+            what = self._outbox.get()
+            try:
+                if what == "ping":
+                    self._chan.sendall(b"\n")
+                elif what == "eof":
+                    self._chan.shutdown_write()
+                else:  # "close": the last thing sent
+                    self._chan.close()
+                    return
+            except Exception:
+                if what == "close":
+                    return
 
     def _relay_stderr(self) -> None:
         for raw in self._chan.makefile_stderr("rb"):
@@ -74,12 +97,10 @@ class RemoteAgent(AgentHandle):
             yield raw.decode("utf-8", "surrogateescape")
 
     def ping(self) -> None:
-        with contextlib.suppress(OSError, EOFError, Exception):
-            self._chan.sendall(b"\n")
+        self._outbox.put("ping")
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError, EOFError, Exception):
-            self._chan.shutdown_write()
+        self._outbox.put("eof")
 
     def wait(self, timeout: float) -> int | None:
         if not self._chan.status_event.wait(timeout):
@@ -87,7 +108,10 @@ class RemoteAgent(AgentHandle):
         return self._chan.recv_exit_status()
 
     def kill(self) -> None:
-        self._chan.close()
+        self._outbox.put("close")
+        # closing the socket ends a transport stuck on a dead network, and our readers
+        with contextlib.suppress(Exception):
+            self._transport.sock.close()
 
     def diagnostics(self) -> list[str]:
         return list(self._stderr)
@@ -131,6 +155,10 @@ class SSHBackend(Backend):
 
     def close(self) -> None:
         for client in [*self._clients.values(), *self._extra]:
+            with contextlib.suppress(Exception):
+                # close the socket first: Transport.close() joins a thread that may be
+                # stuck on a dead network
+                client.get_transport().sock.close()  # type: ignore[attr-defined]
             with contextlib.suppress(Exception):
                 client.close()  # type: ignore[attr-defined]
         self._clients.clear()
