@@ -45,7 +45,8 @@ EV_EXITED = "exited"
 EV_ERROR = "error"
 """The agent could not do its job (a worker failed to start): ``message``."""
 EV_DONE = "done"
-"""The agent has stopped every worker and is about to exit."""
+"""The agent has stopped every worker and is about to exit: ``state`` (``succeeded``,
+``failed``, ``stopped``) and, when stopped, ``reason``."""
 EV_ALIVE = "alive"
 """Sent every :data:`ALIVE_INTERVAL` seconds: the agent and its channel work."""
 

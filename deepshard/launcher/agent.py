@@ -19,8 +19,8 @@ when every worker exited with 0.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
-import ctypes
 import enum
 import json
 import os
@@ -33,6 +33,7 @@ import time
 import types
 
 from .. import contract
+from . import procs
 
 # Start-up cost matters here (one agent per host, all at once): no dataclasses, pathlib or
 # typing at run time. The plan is read as plain JSON (see read_node_plan).
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
     from .plan import NodePlan, WorkerPlan
 
-_PR_SET_CHILD_SUBREAPER = 36
 _MAX_LINE = 1 << 16
 
 
@@ -111,6 +111,7 @@ class Agent:
         self._channel = _Channel(out, lambda: self._events.put(("stop", "channel closed")))
         self._workers: list[_Worker] = []
         self._last_heard = time.monotonic()
+        self._stop_reason = ""
 
     def renew_lease(self) -> None:
         """The coordinator spoke (safe from any thread)."""
@@ -118,7 +119,7 @@ class Agent:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
-        _become_subreaper()
+        procs.become_subreaper()
         try:
             self._start_workers()
         except OSError as exc:
@@ -134,7 +135,8 @@ class Agent:
                 pids={str(w.plan.rank): w.proc.pid for w in self._workers}))
             self._monitor()
         self._channel.write(contract.encode_event(
-            contract.EV_DONE, host=self.node.host, state=self.state.value))
+            contract.EV_DONE, host=self.node.host, state=self.state.value,
+            reason=self._stop_reason))
         return 0 if self.state is AgentState.SUCCEEDED else 1
 
     def stop_now(self) -> None:
@@ -160,6 +162,7 @@ class Agent:
                     continue
             if kind == "stop":
                 self.state = AgentState.STOPPED
+                self._stop_reason = str(payload)
                 self._stop_all()
                 return
             worker = payload
@@ -211,11 +214,15 @@ class Agent:
 
     def _relay(self, rank: int, proc: subprocess.Popen[bytes], log: BinaryIO | None) -> None:
         assert proc.stdout is not None
+        # incremental: a line longer than _MAX_LINE is relayed in pieces, and a character
+        # cut at a piece's end must not turn into replacement characters
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
         try:
             for raw in iter(lambda: proc.stdout.readline(_MAX_LINE), b""):
                 if log is not None:
                     log.write(raw)
-                text = raw.rstrip(b"\n").decode("utf-8", "replace")
+                end = raw.endswith(b"\n")
+                text = decoder.decode(raw[:-1] if end else raw, final=end)
                 self._channel.write(contract.encode_output(rank, text))
         finally:
             if log is not None:
@@ -235,97 +242,14 @@ class Agent:
             returncode=worker.returncode))
 
     def _stop_all(self) -> None:
-        """TERM every remaining worker group and descendant, wait the grace, then KILL."""
-        live = [w for w in self._workers if w.returncode is None]
-        _signal_all(live, signal.SIGTERM)
-        deadline = time.monotonic() + self.node.stop_grace
-        for w in live:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        _signal_all(live, signal.SIGKILL)
+        """TERM each remaining worker's process group and every other descendant once,
+        give all of them the grace to exit, KILL the rest; then report every exit."""
+        live = {w.proc.pid for w in self._workers if w.returncode is None}
+        procs.stop_tree(live, self.node.stop_grace, keep={w.proc.pid for w in self._workers})
         for w in self._workers:
             if not w.reported:
                 w.returncode = w.proc.wait()
                 self._report_exit(w)
-        _kill_orphans(max(0.0, deadline - time.monotonic()))
-
-
-def _signal_all(workers: list[_Worker], sig: signal.Signals) -> None:
-    for w in workers:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(w.proc.pid, sig)
-    _signal_descendants(sig)
-
-
-def _signal_descendants(sig: signal.Signals) -> list[int]:
-    """Signal every descendant of this agent; returns their pids."""
-    if not _has_children():
-        return []
-    pids = _descendants(os.getpid())
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-    return pids
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_orphans(grace: float) -> None:
-    """Stop and reap descendants that outlived their worker (adopted by us as subreaper)."""
-    if not _signal_descendants(signal.SIGTERM):
-        _reap()
-        return
-    deadline = time.monotonic() + grace
-    while _reap() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    _signal_descendants(signal.SIGKILL)
-    while _reap():
-        time.sleep(0.01)
-
-
-def _has_children() -> bool:
-    """Any child, exited or not? As subreaper, no child means no descendant at all."""
-    try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    return True
-
-
-def _reap() -> bool:
-    """Reap exited children; True while any child remains."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return False
-        if pid == 0:
-            return True
-
-
-def _become_subreaper() -> None:
-    """Orphaned descendants of our workers get reparented to us, so we can stop them."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _watch_stdin(agent: Agent) -> None:

@@ -17,6 +17,7 @@ import click
 
 from .. import __version__
 from ..errors import EXIT_USAGE, UsageError
+from . import procs
 from .backends import Backend, LocalBackend, Router
 from .coordinator import Coordinator
 from .entry import DEFAULT_HOSTFILE
@@ -92,10 +93,13 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
         return 0
     backend = Router(LocalBackend(spawned=spawned), remote_backend(options, plan))
     backend.prepare(plan.nodes)
+    # orphans of a local agent that died (SIGKILL, OOM killer) come to us: swept below
+    procs.become_subreaper()
     try:
         return Coordinator(plan, backend, monitor_timeout=options.monitor_timeout).run()
     finally:
         backend.close()
+        procs.stop_tree(set(), options.stop_grace)
 
 
 def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
@@ -114,7 +118,7 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
         return PdshBackend(remote_python=options.remote_python,
                            launcher_args=options.launcher_args)
     if options.launcher_args:
-        raise UsageError("--launcher_args is only used by --launcher pdsh", where="ds-run",
+        raise UsageError("--launcher_args is only used by --launcher pdsh",
                          hint="drop --launcher_args, or add --launcher pdsh")
     from .backends.ssh import SSHBackend  # paramiko: ~200 ms, only for remote hosts
 
@@ -125,15 +129,19 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
 def make_plan(options: LaunchOptions) -> LaunchPlan:
     """Every check and decision before anything starts; pure but for reading named files."""
     check_script(options)
+    check_log_dir(options.log_dir)
     hostfile = options.hostfile
     if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
         hostfile = DEFAULT_HOSTFILE
+    hidden: frozenset[str] = frozenset()
     if hostfile is not None:
         resources = read_hostfile(hostfile)
         names = local_names(interface_addresses())
     else:
         resources = probe_local(options.num_gpus, os.environ)
         names = local_names()
+        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":  # the user hid the GPUs: keep them
+            hidden = frozenset({"localhost"})
     selected = select(resources, include_text=options.include, exclude_text=options.exclude,
                       num_nodes=options.num_nodes,
                       num_gpus=options.num_gpus)
@@ -147,7 +155,7 @@ def make_plan(options: LaunchOptions) -> LaunchPlan:
         options, placement, env_file.as_dict(), python=sys.executable, cwd=os.getcwd(),
         master_addr=master_addr, master_port=master_port,
         run_id=os.environ.get("DEEPSHARD_RUN_ID") or os.urandom(6).hex(),
-        is_local=locality, environ=os.environ,
+        is_local=locality, environ=os.environ, hidden_devices=hidden,
     )
 
 
@@ -168,6 +176,10 @@ def rendezvous_address(first_host: str, locality: dict[str, bool],
 def check_script(options: LaunchOptions) -> None:
     """The script must exist here (or be on PATH with --no_python) before anything starts."""
     script = options.user_script
+    if options.module and options.no_python:
+        raise UsageError("--module and --no_python exclude each other",
+                         hint="--module runs `python -m SCRIPT`; --no_python runs SCRIPT as a "
+                              "program: pick one")
     if options.module:
         return
     if options.no_python:
@@ -178,6 +190,21 @@ def check_script(options: LaunchOptions) -> None:
     if not os.path.isfile(script):
         raise UsageError("training script not found", where=script,
                          hint="check the path, or pass --module to run a module")
+
+
+def check_log_dir(log_dir: str | None) -> None:
+    """``--log_dir`` must be a directory this machine can create (checked before any start;
+    on other hosts the agent reports its own failure)."""
+    if log_dir is None:
+        return
+    path = Path(log_dir).absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError("exists and is not a directory", where=f"--log_dir {log_dir}",
+                         hint="name a directory (it is created when missing)")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create files under {existing}",
+                         where=f"--log_dir {log_dir}", hint="name a writable directory")
 
 
 def free_port(address: str) -> int:

@@ -3,7 +3,7 @@
 It starts one agent per node, prints worker output with ``[host:rank]`` prefixes, and
 treats the first worker failure, agent error or lost agent as the failure of the job: every
 agent is told to stop, and once all are gone it prints which rank failed first, how, and
-the last lines it printed. SIGINT/SIGTERM stop the job the same way and give 130/143.
+the last lines it printed. SIGINT/SIGTERM/SIGHUP stop the job the same way and give 130/143/129.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .backends.base import AgentHandle, Backend
 from .plan import LaunchPlan
 
 TAIL_LINES = 20
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -54,29 +55,75 @@ def describe_returncode(returncode: int) -> str:
     return f"killed by {name} (signal {-returncode})"
 
 
+class _Echo:
+    """Worker output on its way to our stdout, on a thread of its own.
+
+    The queue is bounded: a stdout that does not drain (``| less``, a slow terminal) holds
+    back the agents, which hold back the workers, as a pipe would, while signals and
+    failures are still handled at once by the coordinator's loop. A stdout that fails
+    (closed, disk full, gone) stops the echo only, never the job.
+    """
+
+    def __init__(self, out: TextIO | None, host_of: dict[int, str]):
+        self.out = out
+        self.host_of = host_of
+        self.tails: dict[int, collections.deque[str]] = {}
+        self.queue: queue.Queue[contract.Output | str | None] = queue.Queue(maxsize=4096)
+        self._closed = out is None
+        with contextlib.suppress(AttributeError, ValueError):
+            out.reconfigure(errors="replace")  # type: ignore[union-attr]
+        self._thread = threading.Thread(target=self._run, daemon=True, name="echo")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if isinstance(item, contract.Output):
+                tail = self.tails.setdefault(item.rank, collections.deque(maxlen=TAIL_LINES))
+                tail.append(item.text)
+                item = f"[{self.host_of.get(item.rank, '?')}:{item.rank}] {item.text}\n"
+            self._write(item)
+
+    def _write(self, text: str) -> None:
+        if self._closed:
+            return
+        try:
+            self.out.write(text)  # type: ignore[union-attr]
+            self.out.flush()  # type: ignore[union-attr]
+        except (OSError, ValueError, AttributeError):
+            self._closed = True
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                # a broken pipe must not make the interpreter complain at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())  # type: ignore[union-attr]
+
+    def finish(self) -> None:
+        """Print everything still queued, then stop."""
+        self.queue.put(None)
+        self._thread.join()
+
+
 class Coordinator:
     """Runs one attempt of a job; :meth:`run` returns ds-run's exit code."""
 
-    def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr, monitor_timeout: float = 30.0):
+    def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO | None = None,
+                 err: TextIO | None = None, monitor_timeout: float = 30.0):
         self.plan = plan
         self.backend = backend
-        self.out = out
-        self.err = err
+        self.out = sys.stdout if out is None else out
+        self.err = sys.stderr if err is None else err
         self.monitor_timeout = monitor_timeout
-        self._queue: queue.SimpleQueue[tuple[str, int, object]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[str, int, object]] = queue.SimpleQueue()
         self._agents: list[AgentHandle] = []
-        self._tails: dict[int, collections.deque[str]] = {}
-        self._host_of: dict[int, str] = {
-            w.rank: n.host for n in plan.nodes for w in n.workers}
+        self._last_heard: dict[int, float] = {}
+        self._echo: _Echo | None = None
         self.failure: Failure | None = None
         self.stop_signal: int | None = None
         self._stopping = False
         self._give_up_at: float | None = None
-        self._out_closed = False
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        host_of = {w.rank: n.host for n in self.plan.nodes for w in n.workers}
+        self._echo = _Echo(self.out, host_of)
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             for index, node in enumerate(self.plan.nodes):
                 try:
@@ -86,6 +133,7 @@ class Coordinator:
                                        f"could not start the agent on {node.host}: {exc}"))
                     break
                 self._agents.append(agent)
+                self._last_heard[index] = time.monotonic()
                 threading.Thread(target=self._pump, args=(index, agent), daemon=True,
                                  name=f"channel-{node.host}").start()
             self._loop()
@@ -95,46 +143,44 @@ class Coordinator:
             self._reap_agents()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._echo.finish()
         return self._finish()
 
     # -- event loop ------------------------------------------------------------------------
     def _pump(self, index: int, agent: AgentHandle) -> None:
+        """One agent's channel: output to the echo, events to the loop."""
+        assert self._echo is not None
         for line in agent.lines():
-            self._queue.put(("line", index, line))
-        self._queue.put(("eof", index, None))
+            self._last_heard[index] = time.monotonic()
+            message = contract.decode_line(line)
+            if isinstance(message, contract.Event):
+                self._events.put(("event", index, message))
+            elif message is not None:
+                self._echo.queue.put(message)
+            else:  # not protocol: something on the node printed on the agent's stdout
+                self._echo.queue.put(line if line.endswith("\n") else line + "\n")
+        self._events.put(("eof", index, None))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self._queue.put(("signal", -1, signum))
+        self._events.put(("signal", -1, signum))
 
     def _loop(self) -> None:
         open_channels = set(range(len(self._agents)))
         done: set[int] = set()
-        now = time.monotonic()
-        last_heard = dict.fromkeys(open_channels, now)
-        next_ping = now + contract.ALIVE_INTERVAL
+        next_ping = time.monotonic() + contract.ALIVE_INTERVAL
         while open_channels:
             now = time.monotonic()
             if now >= next_ping:
                 for i in open_channels:
                     self._agents[i].ping()
                 next_ping = now + contract.ALIVE_INTERVAL
+                self._check_silence(open_channels - done, now)
             if self._give_up_at is not None and now > self._give_up_at:
                 return  # stopped agents that do not close their channel get killed
-            for i in open_channels - done:
-                silent = now - last_heard[i]
-                if silent > self.monitor_timeout:
-                    agent = self._agents[i]
-                    last_heard[i] = now
-                    self._fail(Failure(agent.node.host, None, None, f"no word from the agent on "
-                                       f"{agent.node.host} for {silent:.0f} s (host or network "
-                                       "down?)"))
-                    agent.kill()  # nothing will come; the agent stops itself (its lease)
             try:
-                kind, index, payload = self._queue.get(timeout=max(0.01, next_ping - now))
+                kind, index, payload = self._events.get(timeout=max(0.01, next_ping - now))
             except queue.Empty:
                 continue
-            if index >= 0:
-                last_heard[index] = time.monotonic()
             if kind == "signal":
                 assert isinstance(payload, int)
                 self._on_stop_request(payload)
@@ -147,45 +193,38 @@ class Coordinator:
                                        f"lost the agent on {agent.node.host}"
                                        + (f": {why}" if why else "")))
             else:
-                assert isinstance(payload, str)
-                message = contract.decode_line(payload)
-                if isinstance(message, contract.Output):
-                    self._print(message)
-                elif isinstance(message, contract.Event):
-                    if message.kind == contract.EV_DONE:
-                        done.add(index)
-                    self._on_event(index, message)
-                else:  # not protocol: something on the node printed on the agent's stdout
-                    self._write_out(payload)
+                assert isinstance(payload, contract.Event)
+                if payload.kind == contract.EV_DONE:
+                    done.add(index)
+                self._on_event(index, payload)
 
-    def _print(self, output: contract.Output) -> None:
-        host = self._host_of.get(output.rank, "?")
-        self._write_out(f"[{host}:{output.rank}] {output.text}\n")
-        tail = self._tails.setdefault(output.rank, collections.deque(maxlen=TAIL_LINES))
-        tail.append(output.text)
-
-    def _write_out(self, text: str) -> None:
-        """Worker output to our stdout; a closed stdout (``ds-run ... | head``) only stops
-        the echo, never the job or its supervision."""
-        if self._out_closed:
-            return
-        try:
-            self.out.write(text)
-            self.out.flush()
-        except (BrokenPipeError, ValueError):
-            self._out_closed = True
-            with contextlib.suppress(OSError):  # keep the interpreter quiet at exit
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
+    def _check_silence(self, watched: set[int], now: float) -> None:
+        """A remote agent that has said nothing (not even ``alive``) for too long is lost;
+        a local one cannot fall silent without its pipe closing, so it is never timed out."""
+        for i in watched:
+            agent = self._agents[i]
+            silent = now - self._last_heard[i]
+            if agent.node.local or silent <= self.monitor_timeout:
+                continue
+            self._last_heard[i] = now
+            self._fail(Failure(agent.node.host, None, None, f"no word from the agent on "
+                               f"{agent.node.host} for {silent:.0f} s (host or network down?)"))
+            agent.kill()  # nothing more will come; the agent stops itself (its lease)
 
     def _on_event(self, index: int, event: contract.Event) -> None:
         host = self._agents[index].node.host
         if event.kind == contract.EV_EXITED:
-            rc = int(event.get("returncode"))
+            rc = int(event.get("returncode"))  # type: ignore[arg-type]
             if rc != 0:
-                rank = int(event.get("rank"))
+                rank = int(event.get("rank"))  # type: ignore[arg-type]
                 self._fail(Failure(host, rank, rc, describe_returncode(rc)))
         elif event.kind == contract.EV_ERROR:
             self._fail(Failure(host, None, None, str(event.get("message"))))
+        elif event.kind == contract.EV_DONE and event.get("state") not in ("succeeded",
+                                                                           "failed"):
+            # stopped by someone else (a signal on that host, its lease running out)
+            self._fail(Failure(host, None, None, f"the agent on {host} stopped its workers "
+                               f"({event.get('reason') or event.get('state')})"))
 
     def _fail(self, failure: Failure) -> None:
         if self.failure is None and not self._stopping:
@@ -222,15 +261,15 @@ class Coordinator:
 
     # -- outcome ---------------------------------------------------------------------------
     def _finish(self) -> int:
-        if self.stop_signal is not None:
-            return 128 + self.stop_signal
+        """The exit code; the failure summary (also when a signal came after it)."""
         failure = self.failure
         if failure is None:
-            return 0
+            return 0 if self.stop_signal is None else 128 + self.stop_signal
+        assert self._echo is not None
         who = f"rank {failure.rank} on {failure.host}" if failure.rank is not None else (
             failure.host)
         self.err.write(f"ds-run: job failed: {who} failed first: {failure.reason}\n")
-        tail = self._tails.get(failure.rank, ()) if failure.rank is not None else ()
+        tail = self._echo.tails.get(failure.rank, ()) if failure.rank is not None else ()
         if tail:
             self.err.write(f"ds-run: last {len(tail)} line(s) of rank {failure.rank}:\n")
             for text in tail:

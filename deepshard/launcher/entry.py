@@ -57,6 +57,8 @@ def main() -> None:
         from .cli import run_cli  # after the spawn, on purpose
 
         code = run_cli(args, spawned)
+    except KeyboardInterrupt:  # Ctrl-C before the coordinator took over signals
+        code = 130
     finally:
         for proc in spawned:  # not taken by a backend
             discard_agent(proc)

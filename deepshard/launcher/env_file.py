@@ -81,7 +81,9 @@ def read_env_files(environ: Mapping[str, str], home: Path, cwd: Path) -> EnvFile
         except FileNotFoundError:
             continue
         except OSError as exc:
-            raise UsageError(f"cannot read env file ({exc.strerror})", where=str(path)) from None
+            raise UsageError(f"cannot read env file ({exc.strerror})", where=str(path),
+                             hint="make it a readable file of KEY=VALUE lines, or remove it"
+                             ) from None
         # surrogateescape: undecodable bytes survive to the worker's environment unchanged
         merged.update(parse_env_text(raw.decode("utf-8", "surrogateescape"), str(path)))
         sources.append(str(path))

@@ -73,5 +73,7 @@ def read_hostfile(path: str | Path) -> Resources:
             hint="check the --hostfile path, or omit --hostfile to run on this machine",
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read hostfile ({exc})", where=str(path)) from None
+        raise UsageError(f"cannot read hostfile ({exc})", where=str(path),
+                         hint="give a readable UTF-8 text file of 'host slots=N' lines"
+                         ) from None
     return parse_hostfile(text, str(path))

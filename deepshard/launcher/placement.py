@@ -53,14 +53,13 @@ def select(
     combines with a selector (DeepSpeed refuses that too).
     """
     if include_text is not None and exclude_text is not None:
-        raise UsageError("--include and --exclude cannot be used together", where="ds-run",
+        raise UsageError("--include and --exclude cannot be used together",
                          hint="use one of them")
     selector = "--include" if include_text is not None else "--exclude"
     if (include_text is not None or exclude_text is not None) and (
         num_nodes is not None or num_gpus is not None
     ):
         raise UsageError(f"{selector} cannot be combined with --num_nodes/--num_gpus",
-                         where="ds-run",
                          hint=f"list the hosts and slots you want in {selector} alone")
     if include_text is not None:
         return include(resources, parse_selector(include_text, "--include"), "--include")

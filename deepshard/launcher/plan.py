@@ -105,12 +105,16 @@ def build_plan(
     run_id: str,
     is_local: Mapping[str, bool],
     environ: Mapping[str, str] | None = None,
+    hidden_devices: frozenset[str] = frozenset(),
     restart_count: int = 0,
 ) -> LaunchPlan:
     """Build the plan; ``is_local`` tells, per host, whether it is this machine.
 
     A remote node's environment starts from ds-run's variables with :data:`EXPORT_PREFIXES`
     (from ``environ``); ``.deepspeed_env`` overrides those, and the contract overrides all.
+    ``CUDA_VISIBLE_DEVICES`` lists each node's slots (as DeepSpeed does, on CPU-only hosts
+    too), except on ``hidden_devices`` hosts: CPU slots where the user hid the GPUs with
+    ``CUDA_VISIBLE_DEVICES=`` keep it empty.
     """
     world = placement.world_size
     exported = {k: v for k, v in (environ or {}).items() if k.startswith(EXPORT_PREFIXES)}
@@ -125,7 +129,8 @@ def build_plan(
             contract.NODE_RANK: str(node.node_rank),
             contract.MASTER_ADDR: master_addr,
             contract.MASTER_PORT: str(master_port),
-            contract.CUDA_VISIBLE_DEVICES: ",".join(map(str, node.slots)),
+            contract.CUDA_VISIBLE_DEVICES: "" if node.host in hidden_devices
+            else ",".join(map(str, node.slots)),
             contract.RUN_ID: run_id,
             contract.RESTART_COUNT: str(restart_count),
         })

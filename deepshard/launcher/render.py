@@ -29,8 +29,10 @@ def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
     from rich.text import Text
 
     console = Console(file=stream, soft_wrap=False, width=max(100, Console().width))
+    # markup=False everywhere: addresses, paths and values are data, not rich markup
     console.print(f"run {plan.run_id}: {plan.world_size} worker(s) on {len(plan.nodes)} "
-                  f"node(s), rendezvous {plan.master_addr}:{plan.master_port}")
+                  f"node(s), rendezvous {plan.master_addr}:{plan.master_port}",
+                  markup=False, highlight=False)
     table = Table(show_lines=False)
     for column in ("host", "node", "rank", "local", "devices", "command", "env"):
         table.add_column(column, overflow="fold")
@@ -43,7 +45,8 @@ def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
     console.print(table)
     for node in plan.nodes:
         where = "this machine" if node.local else "remote"
-        console.print(f"env on {node.host} ({where}, cwd {node.cwd}):", highlight=False)
+        console.print(f"env on {node.host} ({where}, cwd {node.cwd}):", highlight=False,
+                      markup=False)
         for item in shown_env(node.env):
             console.print(f"  {item}", highlight=False, markup=False)
         if "OMP_NUM_THREADS" not in dict(node.env):

@@ -53,8 +53,33 @@ def resolve_dist_env(environ: Mapping[str, str], default_port: int = DEFAULT_POR
     ``default_port`` is the rendezvous port when ``MASTER_PORT`` is unset (under SLURM, a
     port derived from the job id, so that jobs sharing a node differ).
     """
+    return _checked(_resolve(environ, default_port), environ)
+
+
+def _checked(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
+    """Reject values torch would only fail on later, or hang on (a rank no one will be)."""
+    def bad(what: str, hint: str) -> UsageError:
+        return UsageError(what, where=f"environment (read as {env.source})", hint=hint)
+
+    if env.world_size < 1:
+        raise bad(f"world size {env.world_size} is not positive", "set WORLD_SIZE >= 1")
+    if not 0 <= env.rank < env.world_size:
+        raise bad(f"rank {env.rank} is outside the world of {env.world_size}",
+                  f"set RANK to 0..{env.world_size - 1}")
+    if not 1 <= env.master_port <= 65535:
+        raise bad(f"MASTER_PORT {env.master_port} is not a TCP port", "use 1..65535")
+    if not env.master_addr:
+        raise bad("MASTER_ADDR is empty", "set it to the first host's address, or unset it")
+    return env
+
+
+def _resolve(environ: Mapping[str, str], default_port: int) -> DistEnv:
     port_text = environ.get("MASTER_PORT")
     port = _int(environ, "MASTER_PORT") if port_text else None
+    if ("RANK" in environ) != ("WORLD_SIZE" in environ):
+        have, missing = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
+        raise UsageError(f"{have} is set but {missing} is not", where="environment",
+                         hint="set both (a launcher sets both), or neither for one process")
     if "RANK" in environ and "WORLD_SIZE" in environ:
         world = _int(environ, "WORLD_SIZE")
         return DistEnv(
@@ -63,7 +88,7 @@ def resolve_dist_env(environ: Mapping[str, str], default_port: int = DEFAULT_POR
             local_world_size=(_int(environ, "LOCAL_WORLD_SIZE")
                               if "LOCAL_WORLD_SIZE" in environ else world),
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port or default_port, source="contract")
+            master_port=default_port if port is None else port, source="contract")
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         master = environ.get("MASTER_ADDR")
         if not master:
@@ -83,7 +108,8 @@ def resolve_dist_env(environ: Mapping[str, str], default_port: int = DEFAULT_POR
             rank=_int(environ, "SLURM_PROCID"), world_size=ntasks,
             local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
             local_world_size=_slurm_local_tasks(environ, ntasks),
-            master_addr=master, master_port=port or slurm_port, source="slurm")
+            master_addr=master, master_port=slurm_port if port is None else port,
+            source="slurm")
     if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
         world = _int(environ, "OMPI_COMM_WORLD_SIZE")
         if world > 1 and not environ.get("MASTER_ADDR"):
@@ -97,9 +123,9 @@ def resolve_dist_env(environ: Mapping[str, str], default_port: int = DEFAULT_POR
             local_world_size=_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
             if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else world,
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port or default_port, source="mpi")
+            master_port=default_port if port is None else port, source="mpi")
     return DistEnv(0, 1, 0, 1, environ.get("MASTER_ADDR", "127.0.0.1"),
-                   port or _free_port(), "single")
+                   _free_port() if port is None else port, "single")
 
 
 def _slurm_local_tasks(environ: Mapping[str, str], ntasks: int) -> int:
@@ -169,9 +195,13 @@ def init_distributed(
         environ = {k: v for k, v in environ.items() if not k.startswith("OMPI_COMM_WORLD_")}
     dist_env = resolve_dist_env(environ, default_port=distributed_port)
     if rank != -1 or world_size != -1:
-        dist_env = dataclasses.replace(
-            dist_env, rank=dist_env.rank if rank == -1 else rank,
-            world_size=dist_env.world_size if world_size == -1 else world_size)
+        overrides: dict[str, object] = {
+            "rank": dist_env.rank if rank == -1 else rank,
+            "world_size": dist_env.world_size if world_size == -1 else world_size}
+        if dist_env.source == "single" and not environ.get("MASTER_PORT"):
+            # a free port of our own is useless to the other ranks: use the agreed one
+            overrides["master_port"] = distributed_port
+        dist_env = _checked(dataclasses.replace(dist_env, **overrides), environ)
     if dist_init_required is False or (dist.is_available() and dist.is_initialized()):
         return dist_env
     export_contract(dist_env, os.environ)

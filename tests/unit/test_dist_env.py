@@ -47,9 +47,21 @@ def test_contract_wins_over_slurm_and_mpi():
     assert (got.source, got.rank, got.world_size) == ("contract", 1, 2)
 
 
-def test_rank_without_world_size_is_not_the_contract():
-    got = resolve_dist_env({"RANK": "3", "MASTER_PORT": "1234"})
-    assert (got.source, got.rank, got.world_size) == ("single", 0, 1)
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "3", "MASTER_PORT": "1234"}, "RANK is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "4"}, "WORLD_SIZE is set but RANK is not"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "rank 2 is outside the world of 2"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "rank -1 is outside the world of 2"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0 is not positive"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, "MASTER_PORT 99999 is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, "MASTER_PORT 0 is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}, "MASTER_ADDR is empty"),
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "2", "MASTER_ADDR": "n1"}, "rank 4 is outside"),
+])
+def test_partial_or_impossible_values_are_errors_not_hangs(env, message):
+    with pytest.raises(UsageError) as info:
+        resolve_dist_env(env)
+    assert message in str(info.value) and "HINT:" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -122,7 +122,7 @@ class PdshBackend(Backend):
 
     def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
         if shutil.which("pdsh") is None:
-            raise UsageError("--launcher pdsh, but pdsh is not installed", where="ds-run",
+            raise UsageError("--launcher pdsh, but pdsh is not installed",
                              hint="install pdsh (apt install pdsh) or use --launcher ssh")
         self._nodes = nodes
 
