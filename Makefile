@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 # compat: a plain .pth path entry, no import hook: keeps ds-run's start-up cheap
 EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: install install-test demo test lint bench clean
+.PHONY: install install-test demo test lint bench bench-fanout clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ test: lint
 
 bench: install
 	$(PY) benchmarks/launch.py
+
+bench-fanout: install
+	$(PY) benchmarks/fanout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
