@@ -36,6 +36,8 @@ RUN_ID = "DEEPSHARD_RUN_ID"
 """Identifies one ``ds-run`` invocation; the same across restarts of the job."""
 RESTART_COUNT = "DEEPSHARD_RESTART_COUNT"
 """How many times the job was relaunched (0 on the first attempt)."""
+HEARTBEAT_FILE = "DEEPSHARD_HEARTBEAT_FILE"
+"""Where :func:`deepshard.heartbeat` marks this worker alive (set by the agent)."""
 
 # --- agent events ---------------------------------------------------------------------------
 EV_STARTED = "started"
@@ -48,7 +50,12 @@ EV_DONE = "done"
 """The agent has stopped every worker and is about to exit: ``state`` (``succeeded``,
 ``failed``, ``stopped``) and, when stopped, ``reason``."""
 EV_ALIVE = "alive"
-"""Sent every :data:`ALIVE_INTERVAL` seconds: the agent and its channel work."""
+"""Sent every :data:`ALIVE_INTERVAL` seconds: the agent and its channel work. ``workers``
+maps rank -> {``rss`` bytes, ``cpu`` percent, ``step``, ``beat_age`` seconds or null};
+``gpus`` lists {``index``, ``mem_used``, ``mem_total`` bytes, ``util`` percent} (NVML)."""
+EV_HUNG = "hung"
+"""Workers stopped heartbeating: ``rank`` (silent longest) for ``silent`` seconds, and all
+hung ``ranks`` of the node, whose stacks were dumped."""
 
 ALIVE_INTERVAL = 1.0
 """Seconds between ``alive`` events, and between the coordinator's pings (a newline on the

@@ -33,6 +33,7 @@ import time
 import types
 
 from .. import contract
+from ..liveness import RECORD, STACK_DUMP_SIGNAL, read_heartbeat
 from . import procs
 
 # Start-up cost matters here (one agent per host, all at once): no dataclasses, pathlib or
@@ -61,15 +62,17 @@ class AgentState(enum.Enum):
 
 
 class _Worker:
-    __slots__ = ("plan", "proc", "reader", "reported", "returncode")
+    __slots__ = ("beat_file", "plan", "proc", "reader", "reported", "returncode", "stats")
 
     def __init__(self, plan: WorkerPlan, proc: subprocess.Popen[bytes],
-                 reader: threading.Thread):
+                 reader: threading.Thread, beat_file: str):
         self.plan = plan
         self.proc = proc
         self.reader = reader
+        self.beat_file = beat_file
         self.returncode: int | None = None
         self.reported = False
+        self.stats: object = None  # psutil.Process, once stats are first read
 
 
 class _Channel:
@@ -93,6 +96,57 @@ class _Channel:
                 self._on_broken()
 
 
+class _Probe:
+    """RSS and CPU per worker (psutil) and GPU memory and use (NVML, when present), each
+    imported on first use: after the workers have started, never on the start-up path."""
+
+    def __init__(self) -> None:
+        self._nvml: object = None
+        self._nvml_tried = False
+
+    def worker(self, w: _Worker) -> dict[str, object]:
+        import psutil
+
+        try:
+            if w.stats is None:
+                w.stats = psutil.Process(w.proc.pid)
+                w.stats.cpu_percent()  # the first call only starts the measurement
+            proc = w.stats
+            tree = [proc, *proc.children(recursive=True)]
+            rss = 0
+            for p in tree:
+                with contextlib.suppress(psutil.Error):
+                    rss += p.memory_info().rss
+            return {"rss": rss, "cpu": proc.cpu_percent()}
+        except psutil.Error:
+            return {}
+
+    def gpus(self) -> list[dict[str, object]]:
+        if not self._nvml_tried:
+            self._nvml_tried = True
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception:  # no nvidia-ml-py, or no driver: no GPU stats
+                self._nvml = None
+        nvml = self._nvml
+        if nvml is None:
+            return []
+        found = []
+        try:
+            for i in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                found.append({"index": i, "mem_used": mem.used, "mem_total": mem.total,
+                              "util": util.gpu})
+        except Exception:  # a device that vanished mid-read: report what was read
+            pass
+        return found
+
+
 def core_sets(cores: list[int], workers: int) -> list[list[int]]:
     """Disjoint, equal blocks of cores per worker; round-robin single cores if too few."""
     per = len(cores) // workers
@@ -112,6 +166,8 @@ class Agent:
         self._workers: list[_Worker] = []
         self._last_heard = time.monotonic()
         self._stop_reason = ""
+        self._beat_dir = ""
+        self._probe = _Probe()
 
     def renew_lease(self) -> None:
         """The coordinator spoke (safe from any thread)."""
@@ -134,10 +190,20 @@ class Agent:
                 contract.EV_STARTED, host=self.node.host,
                 pids={str(w.plan.rank): w.proc.pid for w in self._workers}))
             self._monitor()
+        self._remove_beat_files()
         self._channel.write(contract.encode_event(
             contract.EV_DONE, host=self.node.host, state=self.state.value,
             reason=self._stop_reason))
         return 0 if self.state is AgentState.SUCCEEDED else 1
+
+    def _remove_beat_files(self) -> None:
+        if not self._beat_dir:
+            return
+        for w in self._workers:
+            with contextlib.suppress(OSError):
+                os.remove(w.beat_file)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._beat_dir)
 
     def stop_now(self) -> None:
         """Stop every worker from the calling thread (the agent's last resort)."""
@@ -149,17 +215,23 @@ class Agent:
 
     def _monitor(self) -> None:
         pending = len(self._workers)
-        lease = self.node.lease_timeout
+        next_tick = time.monotonic() + contract.ALIVE_INTERVAL
         while pending:
-            try:
-                kind, payload = self._events.get(timeout=contract.ALIVE_INTERVAL)
-            except queue.Empty:
-                self._channel.write(contract.encode_event(contract.EV_ALIVE,
-                                                          host=self.node.host))
-                if lease and time.monotonic() - self._last_heard > lease:
-                    kind, payload = "stop", "the coordinator is unreachable"
-                else:
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + contract.ALIVE_INTERVAL
+                kind, payload = self._tick(now)
+            else:
+                try:
+                    kind, payload = self._events.get(timeout=next_tick - now)
+                except queue.Empty:
                     continue
+            if kind == "ok":
+                continue
+            if kind == "hung":
+                self.state = AgentState.FAILED
+                self._stop_all()
+                return
             if kind == "stop":
                 self.state = AgentState.STOPPED
                 self._stop_reason = str(payload)
@@ -176,6 +248,46 @@ class Agent:
         self.state = AgentState.SUCCEEDED
         self._stop_all()  # reaps what the workers left behind
 
+    def _tick(self, now: float) -> tuple[str, object]:
+        """Once a second: report liveness and stats; check the lease and for hung workers."""
+        now_ns = time.monotonic_ns()
+        workers: dict[str, dict[str, object]] = {}
+        hung: list[tuple[float, int, _Worker]] = []
+        for w in self._workers:
+            if w.returncode is not None:
+                continue
+            try:
+                beat_ns, step = read_heartbeat(w.beat_file)
+            except OSError:
+                beat_ns, step = 0, -1
+            age = (now_ns - beat_ns) / 1e9 if beat_ns else None
+            workers[str(w.plan.rank)] = {"step": step, "beat_age": age,
+                                         **self._probe.worker(w)}
+            hang = self.node.hang_timeout
+            if hang and age is not None and age > hang:
+                hung.append((-age, step, w))
+        self._channel.write(contract.encode_event(
+            contract.EV_ALIVE, host=self.node.host, workers=workers, gpus=self._probe.gpus()))
+        if hung:
+            # ranks waiting in a collective for a stuck one stall too: dump them all, and
+            # name the one silent longest (then: furthest behind, then lowest rank)
+            hung.sort(key=lambda h: (h[0], h[1], h[2].plan.rank))
+            self._dump_stacks([w for _, _, w in hung], -hung[0][0])
+            return "hung", hung[0][2]
+        if self.node.lease_timeout and now - self._last_heard > self.node.lease_timeout:
+            return "stop", "the coordinator is unreachable"
+        return "ok", None
+
+    def _dump_stacks(self, hung: list[_Worker], silent: float) -> None:
+        """Have hung workers print their Python stacks (faulthandler) into their output."""
+        for worker in hung:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.proc.pid, STACK_DUMP_SIGNAL)
+        time.sleep(0.5)  # the dumps travel through the workers' pipes to their logs
+        self._channel.write(contract.encode_event(
+            contract.EV_HUNG, host=self.node.host, rank=hung[0].plan.rank, silent=silent,
+            ranks=sorted(w.plan.rank for w in hung)))
+
     # -- workers -----------------------------------------------------------------------------
     def _start_workers(self) -> None:
         node = self.node
@@ -185,9 +297,17 @@ class Agent:
         blocks = core_sets(cores, len(node.workers)) if node.bind_cores_to_rank else None
         if node.log_dir:
             os.makedirs(node.log_dir, exist_ok=True)
+        # not tempfile.mkdtemp: its import costs 10 ms of every agent's start
+        base_dir = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+        self._beat_dir = os.path.join(base_dir, f"deepshard-beats-{os.urandom(6).hex()}")
+        os.mkdir(self._beat_dir, 0o700)
         for i, plan in enumerate(node.workers):
             env = dict(base)
             env.update(plan.env)
+            beat_file = os.path.join(self._beat_dir, f"rank_{plan.rank}")
+            with open(beat_file, "wb") as f:
+                f.write(bytes(RECORD.size))
+            env[contract.HEARTBEAT_FILE] = beat_file
             if contract.OMP_NUM_THREADS not in env:
                 threads = len(blocks[i]) if blocks else max(1, len(cores) // len(node.workers))
                 env[contract.OMP_NUM_THREADS] = str(threads)
@@ -201,7 +321,7 @@ class Agent:
             log = self._open_log(plan.rank)
             reader = threading.Thread(target=self._relay, args=(plan.rank, proc, log),
                                       daemon=True, name=f"relay-{plan.rank}")
-            worker = _Worker(plan, proc, reader)
+            worker = _Worker(plan, proc, reader, beat_file)
             reader.start()
             threading.Thread(target=self._wait, args=(worker,), daemon=True,
                              name=f"wait-{plan.rank}").start()

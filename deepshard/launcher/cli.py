@@ -12,6 +12,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -27,6 +28,10 @@ from .options import LaunchOptions
 from .placement import place, select
 from .plan import LaunchPlan, build_plan
 from .resources import interface_addresses, is_local, local_names, probe_local
+from .supervisor import Outcome, supervise
+
+if TYPE_CHECKING:
+    from .live import LiveView
 
 
 @click.command(
@@ -62,6 +67,14 @@ from .resources import interface_addresses, is_local, local_names, probe_local
               help="Python on remote hosts [default: this one's path].")
 @click.option("--ssh_connect_timeout", type=click.FloatRange(min=0.1), default=10.0,
               show_default=True, help="Seconds to reach each host before giving up.")
+@click.option("--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Relaunch the whole job (fresh port, DEEPSHARD_RESTART_COUNT+1) up to N "
+                   "times after a failure.")
+@click.option("--hang_timeout", type=click.FloatRange(min=0.1), default=None,
+              help="A worker whose deepshard.heartbeat() stops for this many seconds gets "
+                   "its stacks dumped and fails the job [default: never].")
+@click.option("--live/--no_live", "live", default=None,
+              help="A live per-rank table [default: when stdout is a terminal].")
 @click.option("--monitor_timeout", type=click.FloatRange(min=1.0), default=30.0,
               show_default=True,
               help="Seconds of silence after which a node is lost and the job stopped.")
@@ -84,22 +97,56 @@ def ds_run(spawned: list, **params: object) -> int:
 
 
 def launch(options: LaunchOptions, spawned: list | None = None) -> int:
-    """Plan the job (raising :class:`UsageError` on bad input), then run it."""
-    plan = make_plan(options)
+    """Plan the job (raising :class:`UsageError` on bad input), then run it, restarting
+    it after failures while ``--max_restarts`` allows."""
+    run_id = os.environ.get("DEEPSHARD_RUN_ID") or os.urandom(6).hex()
+    first = make_plan(options, run_id=run_id)
     if options.dry_run:
         from .render import render_plan  # rich costs ~70 ms: only for --dry_run
 
-        render_plan(plan, sys.stdout)
+        render_plan(first, sys.stdout)
         return 0
-    backend = Router(LocalBackend(spawned=spawned), remote_backend(options, plan))
-    backend.prepare(plan.nodes)
+    backend = Router(LocalBackend(spawned=spawned), remote_backend(options, first))
+    live = sys.stdout.isatty() if options.live is None else options.live
+
+    def attempt(restart: int) -> Outcome:
+        plan = first
+        if restart:  # a fresh port, the restart count in the contract, the same run id
+            try:
+                plan = make_plan(options, run_id=run_id, restart_count=restart)
+                backend.prepare(plan.nodes)
+            except UsageError as exc:
+                sys.stderr.write(f"ds-run: cannot restart: {exc}\n")
+                return Outcome(1, restartable=True)
+        return run_attempt(plan, backend, options, live, restart)
+
     # orphans of a local agent that died (SIGKILL, OOM killer) come to us: swept below
     procs.become_subreaper()
     try:
-        return Coordinator(plan, backend, monitor_timeout=options.monitor_timeout).run()
+        backend.prepare(first.nodes)  # a host that cannot be reached: exit 2, nothing ran
+        return supervise(attempt, options.max_restarts, err=sys.stderr)
     finally:
         backend.close()
         procs.stop_tree(set(), options.stop_grace)
+
+
+def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live: bool,
+                restart: int) -> Outcome:
+    """One attempt of the job, with the live view when asked."""
+    def coordinate(view: LiveView | None) -> Outcome:
+        coordinator = Coordinator(plan, backend, monitor_timeout=options.monitor_timeout,
+                                  view=view)
+        code = coordinator.run()
+        return Outcome(code, restartable=coordinator.failure is not None
+                       and coordinator.stop_signal is None)
+
+    if not live:
+        return coordinate(None)
+    from .live import LiveView
+
+    title = f"run {plan.run_id}" + (f", restart {restart}" if restart else "")
+    with LiveView(plan, sys.stdout, title) as view:
+        return coordinate(view)
 
 
 def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
@@ -126,8 +173,9 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
                       connect_timeout=options.ssh_connect_timeout)
 
 
-def make_plan(options: LaunchOptions) -> LaunchPlan:
-    """Every check and decision before anything starts; pure but for reading named files."""
+def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) -> LaunchPlan:
+    """Every check and decision before anything starts; pure but for reading named files
+    (and choosing a free port)."""
     check_script(options)
     check_log_dir(options.log_dir)
     hostfile = options.hostfile
@@ -154,8 +202,8 @@ def make_plan(options: LaunchOptions) -> LaunchPlan:
     return build_plan(
         options, placement, env_file.as_dict(), python=sys.executable, cwd=os.getcwd(),
         master_addr=master_addr, master_port=master_port,
-        run_id=os.environ.get("DEEPSHARD_RUN_ID") or os.urandom(6).hex(),
-        is_local=locality, environ=os.environ, hidden_devices=hidden,
+        run_id=run_id, is_local=locality, environ=os.environ, hidden_devices=hidden,
+        restart_count=restart_count,
     )
 
 

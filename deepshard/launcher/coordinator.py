@@ -17,11 +17,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .. import contract
 from .backends.base import AgentHandle, Backend
 from .plan import LaunchPlan
+
+if TYPE_CHECKING:
+    from .live import LiveView
 
 TAIL_LINES = 20
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -105,12 +108,15 @@ class Coordinator:
     """Runs one attempt of a job; :meth:`run` returns ds-run's exit code."""
 
     def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO | None = None,
-                 err: TextIO | None = None, monitor_timeout: float = 30.0):
+                 err: TextIO | None = None, monitor_timeout: float = 30.0,
+                 view: LiveView | None = None):
         self.plan = plan
         self.backend = backend
         self.out = sys.stdout if out is None else out
         self.err = sys.stderr if err is None else err
         self.monitor_timeout = monitor_timeout
+        self.view = view
+        """The live per-rank table, when ds-run's stdout is a terminal."""
         self._events: queue.SimpleQueue[tuple[str, int, object]] = queue.SimpleQueue()
         self._agents: list[AgentHandle] = []
         self._last_heard: dict[int, float] = {}
@@ -122,7 +128,7 @@ class Coordinator:
 
     def run(self) -> int:
         host_of = {w.rank: n.host for n in self.plan.nodes for w in n.workers}
-        self._echo = _Echo(self.out, host_of)
+        self._echo = _Echo(self.out if self.view is None else self.view.writer(), host_of)
         previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             for index, node in enumerate(self.plan.nodes):
@@ -215,11 +221,22 @@ class Coordinator:
         host = self._agents[index].node.host
         if event.kind == contract.EV_EXITED:
             rc = int(event.get("returncode"))  # type: ignore[arg-type]
+            if self.view is not None:
+                self.view.exited(int(event.get("rank")), rc)  # type: ignore[arg-type]
             if rc != 0:
                 rank = int(event.get("rank"))  # type: ignore[arg-type]
                 self._fail(Failure(host, rank, rc, describe_returncode(rc)))
         elif event.kind == contract.EV_ERROR:
             self._fail(Failure(host, None, None, str(event.get("message"))))
+        elif event.kind == contract.EV_HUNG:
+            rank = int(event.get("rank"))  # type: ignore[arg-type]
+            silent = float(event.get("silent"))  # type: ignore[arg-type]
+            ranks = ",".join(map(str, event.get("ranks") or [rank]))  # type: ignore[union-attr]
+            self._fail(Failure(host, rank, None, f"hung: no heartbeat for {silent:.0f} s "
+                               f"(hung on {host}: rank(s) {ranks}; their Python stacks are in "
+                               "their output and logs)"))
+        elif event.kind == contract.EV_ALIVE and self.view is not None:
+            self.view.update(host, event.get("workers") or {}, event.get("gpus") or [])
         elif event.kind == contract.EV_DONE and event.get("state") not in ("succeeded",
                                                                            "failed"):
             # stopped by someone else (a signal on that host, its lease running out)

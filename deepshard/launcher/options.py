@@ -31,6 +31,12 @@ class LaunchOptions:
     remote_python: str | None = None
     """The Python on remote hosts; by default the one running ds-run (same path)."""
     ssh_connect_timeout: float = 10.0
+    hang_timeout: float | None = None
+    """Seconds without a heartbeat after which a worker that has sent some is hung."""
+    max_restarts: int = 0
+    """Relaunch the whole job up to this many times after a failure."""
+    live: bool | None = None
+    """The live per-rank view (default: when stdout is a terminal)."""
     monitor_timeout: float = 30.0
     """A node whose agent says nothing for this long is lost; its agent, in turn, stops
     its workers when the coordinator has been silent for as long."""

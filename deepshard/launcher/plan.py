@@ -53,6 +53,8 @@ class NodePlan:
     lease_timeout: float = 0.0
     """Stop the workers when the coordinator has not pinged for this long (0: never; the
     local agent needs no lease, its pipe cannot be silently lost)."""
+    hang_timeout: float = 0.0
+    """A worker that has heartbeaten and then stops for this long is hung (0: never)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -153,6 +155,7 @@ def build_plan(
             log_dir=options.log_dir,
             bind_cores_to_rank=options.bind_cores_to_rank,
             stop_grace=options.stop_grace,
+            hang_timeout=options.hang_timeout or 0.0,
             # pdsh forwards no stdin, so no pings: its agents rely on the session's end
             lease_timeout=0.0 if local or options.launcher == "pdsh"
             else options.monitor_timeout,

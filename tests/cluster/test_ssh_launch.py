@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -210,3 +211,30 @@ def test_lost_network_is_detected_and_both_sides_stop(cluster, cluster_env, tmp_
         assert not cluster.wait_no_strays(timeout=15)
     finally:
         host.exec("ip", "link", "set", "eth0", "up")
+
+
+def test_killed_worker_on_a_host_is_restarted_and_the_job_completes(cluster, cluster_env,
+                                                                    tmp_path):
+    """kill -9 of a worker on dsh2: every host is torn down, the job is relaunched over
+    ssh with the restart count, resumes from its checkpoint and ends with the result of an
+    uninterrupted run."""
+    steps = 8
+    hostfile = cluster.hostfile(slots=1)
+    proc = subprocess.Popen(
+        ds_run_argv("-H", str(hostfile), "--max_restarts", "1", str(SCRIPTS / "resumable.py"),
+                    str(tmp_path), "--steps", str(steps)),
+        cwd=ROOT, env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = tmp_path / "latest"
+    deadline = time.monotonic() + 90
+    while not (latest.exists() and int(latest.read_text()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    victim = int((tmp_path / "up_0_1").read_text().split()[0])
+    assert victim in cluster.hosts[1].pids()  # rank 1 really runs on dsh2
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    world = 3
+    assert f"RESULT {steps * (steps + 1) / 2 * world * (world + 1) / 2} after 1 restart(s)" \
+        in out
+    assert "rank 1 on dsh2 failed first: killed by SIGKILL" in err

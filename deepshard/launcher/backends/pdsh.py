@@ -124,6 +124,8 @@ class PdshBackend(Backend):
         if shutil.which("pdsh") is None:
             raise UsageError("--launcher pdsh, but pdsh is not installed",
                              hint="install pdsh (apt install pdsh) or use --launcher ssh")
+        self.close()  # the previous attempt's pdsh, if any
+        self._run = None
         self._nodes = nodes
 
     def start(self, node: NodePlan) -> AgentHandle:

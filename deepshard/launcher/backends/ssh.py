@@ -135,8 +135,11 @@ class SSHBackend(Backend):
         return resolve_target(alias, self._config_text, port_override=self.ssh_port)
 
     def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
-        """Connect to every host in parallel; raise one UsageError naming every failure."""
-        hosts = [n.host for n in nodes]
+        """Connect to every host in parallel; raise one UsageError naming every failure.
+
+        Called again before each restart: live connections are kept, dead ones replaced.
+        """
+        hosts = [n.host for n in nodes if not self._connected(n.host)]
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(hosts)))) as pool:
             results = list(pool.map(self._try_connect, hosts))
         failures = [r for r in results if isinstance(r, HostError)]
@@ -144,11 +147,15 @@ class SSHBackend(Backend):
             if not isinstance(result, HostError):
                 self._clients[host] = result
         if failures:
-            self.close()
             first = failures[0]
             more = "".join(f"; {f.host}: {f.reason}" for f in failures[1:])
-            raise UsageError(f"cannot reach {len(failures)} of {len(hosts)} host(s): "
+            raise UsageError(f"cannot reach {len(failures)} of {len(nodes)} host(s): "
                              f"{first.reason}{more}", where=first.host, hint=first.hint)
+
+    def _connected(self, host: str) -> bool:
+        client = self._clients.get(host)
+        transport = client.get_transport() if client is not None else None  # type: ignore[attr-defined]
+        return transport is not None and transport.is_active()
 
     def start(self, node: NodePlan) -> AgentHandle:
         return RemoteAgent(node, self._clients[node.host], self.python)
