@@ -162,3 +162,34 @@ def test_long_utf8_line_arrives_intact(tmp_path):
     assert result.returncode == 0, result.stderr
     text = "".join(line.split("] ", 1)[1] for line in result.stdout.splitlines())
     assert text == "€" * 100000
+
+
+def test_live_view_on_a_terminal(job_token, tmp_path):
+    """On a terminal ds-run draws one row per rank (state, step from the heartbeats,
+    memory) below the scrolling output; the final table shows every rank done."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        ds_run_argv("--num_gpus", "2", str(SCRIPTS / "resumable.py"), str(tmp_path),
+                    "--steps", "8", "--delay", "0.4", job_token),
+        cwd=ROOT, stdout=slave, stderr=slave, env={**os.environ, "COLUMNS": "120"})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: the other side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=60) == 0
+    screen = b"".join(chunks).decode("utf-8", "replace")
+    for header in ("rank", "state", "step", "heartbeat", "RSS", "GPU mem"):
+        assert header in screen
+    assert "[localhost:0] RESULT" in screen
+    last_table = screen[screen.rindex("heartbeat"):]
+    assert last_table.count(" done ") == 2
+    assert "running" in screen and " s ago" in screen
