@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..hostlist import expand_hostlist
+from ..liveness import register_stack_dump
 
 DEFAULT_PORT = 29500
 logger = logging.getLogger(__name__)
@@ -184,11 +185,16 @@ def init_distributed(
         rank, world_size: override the environment's values when not -1.
 
     On CUDA the current device is set to the local rank first. Calling it again, or in a
-    process where torch.distributed is already initialised, returns without change.
+    process where torch.distributed is already initialised, returns without change. It
+    also registers faulthandler on SIGUSR1, with which ds-run's agent has a hung worker
+    print its stacks.
     """
     del config  # see the docstring
     import torch
     import torch.distributed as dist
+
+    # a hung rank's agent asks for its Python stacks with this signal (--hang_timeout)
+    register_stack_dump()
 
     environ = dict(os.environ)
     if not auto_mpi_discovery:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -238,3 +239,22 @@ def test_killed_worker_on_a_host_is_restarted_and_the_job_completes(cluster, clu
     assert f"RESULT {steps * (steps + 1) / 2 * world * (world + 1) / 2} after 1 restart(s)" \
         in out
     assert "rank 1 on dsh2 failed first: killed by SIGKILL" in err
+
+
+def test_host_losing_its_processes_tears_the_job_down(cluster, cluster_env, tmp_path):
+    """Every process of dsh2 but its sshd listener dies at once (OOM killer, a crashed
+    container): its session ends, the job is stopped everywhere, nothing is left."""
+    hostfile = cluster.hostfile(slots=1)
+    proc = subprocess.Popen(ds_run_argv("-H", str(hostfile), SLEEPER, str(tmp_path)),
+                            cwd=ROOT, env=cluster_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_pids(tmp_path, 3, proc, timeout=60)
+    host = cluster.hosts[1]
+    for pid in host.pids():
+        if pid != host.sshd.pid:
+            with contextlib.suppress(ProcessLookupError):  # gone since it was listed
+                os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "dsh2" in err.split("failed first")[0]
+    assert not cluster.wait_no_strays()
