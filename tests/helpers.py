@@ -58,3 +58,18 @@ def run_ds(*args: str, cwd: Path | None = None, env: dict[str, str] | None = Non
     """Run ds-run to completion and capture its output."""
     return subprocess.run(ds_run_argv(*args), cwd=cwd or ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def tagged_json(stdout: str, tag: str) -> dict[int, tuple[str, dict]]:
+    """By rank: the ``[host:rank]`` prefix and the JSON of each ``<prefix> TAG {json}``
+    line workers printed (the allreduce and env-dump test scripts)."""
+    import json
+
+    found = {}
+    for line in stdout.splitlines():
+        head, _, payload = line.partition(f" {tag} ")
+        if payload:
+            data = json.loads(payload)
+            rank = data["rank"] if "rank" in data else int(data["env"]["RANK"])
+            found[rank] = (head, data)
+    return found

@@ -93,6 +93,13 @@ def import_paramiko():
     """
     if "paramiko" not in sys.modules:
         sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
+        # paramiko logs every failed handshake with a traceback ("Error reading SSH
+        # protocol banner"); ds-run reports each host's failure in one line instead
+        import logging
+
+        log = logging.getLogger("paramiko")
+        log.addHandler(logging.NullHandler())
+        log.propagate = False
     import paramiko
 
     return paramiko

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import subprocess
 import pytest
 
 from tests.e2e.test_local_launch import wait_for_pids
-from tests.helpers import ROOT, SCRIPTS, ds_run_argv, run_ds
+from tests.helpers import ROOT, SCRIPTS, ds_run_argv, run_ds, tagged_json
 
 ALLREDUCE = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")
 
@@ -30,14 +29,10 @@ def test_pdsh_allreduce_across_hosts(cluster, pdsh_env):
     result = run_ds("-H", str(hostfile), "--launcher", "pdsh", ALLREDUCE, env=pdsh_env,
                     timeout=180)
     assert result.returncode == 0, result.stderr
-    seen = {}
-    for line in result.stdout.splitlines():
-        head, _, payload = line.partition(" RESULT ")
-        if payload:
-            data = json.loads(payload)
-            seen[data["rank"]] = head
-            assert data["sum"] == 10.0
-    assert seen == {0: "[dsh1:0]", 1: "[dsh1:1]", 2: "[dsh2:2]", 3: "[dsh3:3]"}
+    results = tagged_json(result.stdout, "RESULT")
+    assert {r: head for r, (head, _) in results.items()} == \
+        {0: "[dsh1:0]", 1: "[dsh1:1]", 2: "[dsh2:2]", 3: "[dsh3:3]"}
+    assert all(data["sum"] == 10.0 for _, data in results.values())
 
 
 def test_pdsh_failure_and_ctrl_c_leave_no_process(cluster, pdsh_env, tmp_path):

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import time
 
 from tests.e2e.test_local_launch import contract_lines, wait_for_pids
-from tests.helpers import ROOT, SCRIPTS, ds_run_argv, run_ds
+from tests.helpers import ROOT, SCRIPTS, ds_run_argv, run_ds, tagged_json
 
 ALLREDUCE = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")
 ENV_DUMP = str(SCRIPTS / "env_dump.py")
@@ -21,12 +20,7 @@ def test_gloo_allreduce_across_three_hosts(cluster, cluster_env):
     hostfile = cluster.hostfile(slots=[1, 2, 1])
     result = run_ds("-H", str(hostfile), ALLREDUCE, env=cluster_env, timeout=180)
     assert result.returncode == 0, result.stderr
-    results = {}
-    for line in result.stdout.splitlines():
-        head, _, payload = line.partition(" RESULT ")
-        if payload:
-            data = json.loads(payload)
-            results[data["rank"]] = (head, data)
+    results = tagged_json(result.stdout, "RESULT")
     assert sorted(results) == [0, 1, 2, 3]
     expected_host = {0: "dsh1", 1: "dsh2", 2: "dsh2", 3: "dsh3"}
     for rank, (head, data) in results.items():

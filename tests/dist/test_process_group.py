@@ -11,7 +11,7 @@ import pytest
 
 from deepshard.launcher.cli import free_port
 
-from tests.helpers import ROOT, run_ds
+from tests.helpers import ROOT, run_ds, tagged_json
 
 SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")
 
@@ -20,13 +20,9 @@ SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")
 def test_gloo_group_across_ds_run_workers(world):
     result = run_ds("--num_gpus", str(world), SCRIPT, timeout=180)
     assert result.returncode == 0, result.stderr
-    results = {}
-    for line in result.stdout.splitlines():
-        head, _, payload = line.partition(" RESULT ")
-        if payload:
-            data = json.loads(payload)
-            assert head == f"[localhost:{data['rank']}]"
-            results[data["rank"]] = data
+    tagged = tagged_json(result.stdout, "RESULT")
+    assert all(head == f"[localhost:{rank}]" for rank, (head, _) in tagged.items())
+    results = {rank: data for rank, (_, data) in tagged.items()}
     assert sorted(results) == list(range(world))
     for rank, data in results.items():
         assert data["world"] == world
