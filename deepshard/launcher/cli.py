@@ -151,6 +151,9 @@ def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live
 
 def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
     """The backend for the plan's remote nodes (``None`` when every node is local)."""
+    if options.launcher_args and options.launcher != "pdsh":
+        raise UsageError("--launcher_args is only used by --launcher pdsh",
+                         hint="drop --launcher_args, or add --launcher pdsh")
     remote = [n.host for n in plan.nodes if not n.local]
     if not remote:
         return None
@@ -164,9 +167,6 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
 
         return PdshBackend(remote_python=options.remote_python,
                            launcher_args=options.launcher_args)
-    if options.launcher_args:
-        raise UsageError("--launcher_args is only used by --launcher pdsh",
-                         hint="drop --launcher_args, or add --launcher pdsh")
     from .backends.ssh import SSHBackend  # paramiko: ~200 ms, only for remote hosts
 
     return SSHBackend(ssh_port=options.ssh_port, remote_python=options.remote_python,

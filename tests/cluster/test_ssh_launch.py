@@ -252,3 +252,32 @@ def test_host_losing_its_processes_tears_the_job_down(cluster, cluster_env, tmp_
     assert proc.returncode != 0
     assert "dsh2" in err.split("failed first")[0]
     assert not cluster.wait_no_strays()
+
+
+def test_host_that_drops_the_handshake_is_one_line(cluster, cluster_env):
+    """A port that accepts and hangs up at once (not an sshd): paramiko's own traceback
+    must not leak; the error is one line naming the host."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        cluster.add_alias("dsh-banner", cluster.hosts[0], HostName="127.0.0.1",
+                          Port=str(port))
+        hostfile = cluster.hostfile(slots=1, names=["dsh-banner"])
+        line = _one_line_error(run_ds("-H", str(hostfile), ENV_DUMP, env=cluster_env))
+    finally:
+        server.close()
+    assert line.startswith("ds-run: error: dsh-banner: cannot reach 1 of 1 host(s)")
+    assert "Traceback" not in line

@@ -60,6 +60,12 @@ CASES = [
     ("zero-gpus", ["--num_gpus", "0"], None, ["--num_gpus", "0"]),
     ("unknown-flag", ["--force_multi"], None, ["No such option '--force_multi'"]),
     ("bad-port", ["--master_port", "70000"], None, ["--master_port"]),
+    ("launcher-args-without-pdsh", ["--launcher_args", "-u 30"], None,
+     ["--launcher_args is only used by --launcher pdsh"]),
+    ("module-and-no-python", ["--module", "--no_python"], None,
+     ["--module and --no_python exclude each other"]),
+    ("log-dir-is-a-file", ["--log_dir", "{tmp}/local2"], None,
+     ["--log_dir {tmp}/local2: exists and is not a directory"]),
 ]
 
 
