@@ -28,6 +28,7 @@ from .options import LaunchOptions
 from .placement import place, select
 from .plan import LaunchPlan, build_plan
 from .resources import interface_addresses, is_local, local_names, probe_local
+from .slurm import allocation_resources, expand_nodelist, in_allocation
 from .supervisor import Outcome, supervise
 
 if TYPE_CHECKING:
@@ -55,12 +56,14 @@ if TYPE_CHECKING:
               "when every host is this machine].")
 @click.option("--master_port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port [default: a free port].")
-@click.option("--launcher", type=click.Choice(["ssh", "pdsh", "local"]), default="ssh",
-              show_default=True,
+@click.option("--launcher", type=click.Choice(["ssh", "pdsh", "slurm", "local"]),
+              default=None,
               help="How agents start on hosts that are not this machine (ssh: paramiko, no "
-                   "external binary; pdsh: as DeepSpeed does; local: refuse remote hosts).")
+                   "external binary; pdsh: as DeepSpeed does; slurm: srun inside an "
+                   "allocation; local: refuse remote hosts) [default: slurm inside a SLURM "
+                   "allocation without --hostfile, else ssh].")
 @click.option("--launcher_args", default="", metavar="ARGS",
-              help="Extra pdsh arguments (--launcher pdsh only).")
+              help="Extra arguments for pdsh or srun (--launcher pdsh/slurm only).")
 @click.option("--ssh_port", type=click.IntRange(1, 65535), default=None,
               help="SSH port for every host [default: ~/.ssh/config's Port, else 22].")
 @click.option("--remote_python", default=None, metavar="PATH",
@@ -92,8 +95,17 @@ if TYPE_CHECKING:
 @click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def ds_run(spawned: list, **params: object) -> int:
+    if params["launcher"] is None:
+        params["launcher"] = default_launcher(params["hostfile"], os.environ)  # type: ignore[arg-type]
     options = LaunchOptions(**{**params, "user_args": tuple(params["user_args"])})  # type: ignore[arg-type]
     return launch(options, spawned)
+
+
+def default_launcher(hostfile: str | None, environ: os._Environ | dict) -> str:
+    """slurm inside an allocation when no hostfile is given (or at /job/hostfile), else ssh."""
+    if hostfile is None and not os.path.isfile(DEFAULT_HOSTFILE) and in_allocation(environ):
+        return "slurm"
+    return "ssh"
 
 
 def launch(options: LaunchOptions, spawned: list | None = None) -> int:
@@ -104,7 +116,14 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
     if options.dry_run:
         from .render import render_plan  # rich costs ~70 ms: only for --dry_run
 
-        render_plan(first, sys.stdout)
+        commands = None
+        if options.launcher == "slurm":
+            from .backends.slurm import srun_command
+
+            python = options.remote_python or sys.executable
+            commands = {n.host: srun_command(n, python, options.launcher_args)
+                        for n in first.nodes}
+        render_plan(first, sys.stdout, commands)
         return 0
     backend = Router(LocalBackend(spawned=spawned), remote_backend(options, first))
     live = sys.stdout.isatty() if options.live is None else options.live
@@ -151,8 +170,8 @@ def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live
 
 def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
     """The backend for the plan's remote nodes (``None`` when every node is local)."""
-    if options.launcher_args and options.launcher != "pdsh":
-        raise UsageError("--launcher_args is only used by --launcher pdsh",
+    if options.launcher_args and options.launcher not in ("pdsh", "slurm"):
+        raise UsageError("--launcher_args is only used by --launcher pdsh and slurm",
                          hint="drop --launcher_args, or add --launcher pdsh")
     remote = [n.host for n in plan.nodes if not n.local]
     if not remote:
@@ -162,6 +181,11 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
             f"host {remote[0]!r} is not this machine, and --launcher local starts workers on "
             "this machine only", where=options.hostfile or DEFAULT_HOSTFILE,
             hint="drop --launcher local to reach it over ssh, or --include localhost")
+    if options.launcher == "slurm":
+        from .backends.slurm import SlurmBackend
+
+        return SlurmBackend(remote_python=options.remote_python,
+                            launcher_args=options.launcher_args)
     if options.launcher == "pdsh":
         from .backends.pdsh import PdshBackend
 
@@ -182,9 +206,17 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
     if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
         hostfile = DEFAULT_HOSTFILE
     hidden: frozenset[str] = frozenset()
+    if options.launcher == "slurm" and not in_allocation(os.environ):
+        raise UsageError("--launcher slurm outside a SLURM allocation",
+                         hint="run ds-run inside sbatch or salloc (see hostfiles/slurm/)")
     if hostfile is not None:
         resources = read_hostfile(hostfile)
         names = local_names(interface_addresses())
+    elif options.launcher == "slurm":
+        nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ["SLURM_NODELIST"]
+        resources = allocation_resources(os.environ, expand_nodelist(nodelist),
+                                         options.num_gpus)
+        names = frozenset()
     else:
         resources = probe_local(options.num_gpus, os.environ)
         names = local_names()
@@ -194,7 +226,9 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
                       num_nodes=options.num_nodes,
                       num_gpus=options.num_gpus)
     placement = place(selected)
-    locality = {n.host: is_local(n.host, names) for n in placement.nodes}
+    # under SLURM every node's agent is an srun step, this node's too
+    locality = {n.host: options.launcher != "slurm" and is_local(n.host, names)
+                for n in placement.nodes}
     env_file = read_env_files(os.environ, Path.home(), Path.cwd())
     master_addr = options.master_addr or rendezvous_address(placement.nodes[0].host,
                                                             locality, options)

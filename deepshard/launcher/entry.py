@@ -47,6 +47,8 @@ def likely_local_run(argv: list[str]) -> bool:
     user's script may make it guess wrong: that costs time, never correctness)."""
     if any(arg.split("=", 1)[0] in _NOT_LOCAL for arg in argv):
         return False
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_NODELIST"):
+        return False  # inside an allocation every agent is an srun step
     return not os.path.exists(DEFAULT_HOSTFILE)
 
 

@@ -24,9 +24,10 @@ class LaunchOptions:
     master_port: int | None = None
     """``None`` picks a free port, so two jobs on one machine never collide."""
     launcher: str = "ssh"
-    """How agents start on nodes that are not this machine (this machine's are local)."""
+    """How agents start on nodes that are not this machine (this machine's are local);
+    ``slurm`` starts every node's agent, this one's too, as an srun step."""
     launcher_args: str = ""
-    """Extra arguments for pdsh (``--launcher pdsh``)."""
+    """Extra arguments for pdsh or srun (``--launcher pdsh``/``slurm``)."""
     ssh_port: int | None = None
     remote_python: str | None = None
     """The Python on remote hosts; by default the one running ds-run (same path)."""

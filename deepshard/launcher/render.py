@@ -22,8 +22,10 @@ def shown_env(env: tuple[tuple[str, str], ...]) -> list[str]:
     return [f"{k}={MASK if is_secret(k) else shlex.quote(v)}" for k, v in env]
 
 
-def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
-    """Print the plan: one row per worker, then each node's environment."""
+def render_plan(plan: LaunchPlan, stream: TextIO,
+                commands: dict[str, list[str]] | None = None) -> None:
+    """Print the plan: one row per worker, then each node's environment and, when given,
+    the command that starts its agent (e.g. the srun line)."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -45,6 +47,9 @@ def render_plan(plan: LaunchPlan, stream: TextIO) -> None:
     console.print(table)
     for node in plan.nodes:
         where = "this machine" if node.local else "remote"
+        if commands and node.host in commands:
+            console.print(f"agent on {node.host}: {shlex.join(commands[node.host])}",
+                          highlight=False, markup=False, soft_wrap=True)
         console.print(f"env on {node.host} ({where}, cwd {node.cwd}):", highlight=False,
                       markup=False)
         for item in shown_env(node.env):

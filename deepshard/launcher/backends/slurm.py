@@ -1,0 +1,47 @@
+"""The slurm backend: inside an allocation, each node's agent is one ``srun`` job step.
+
+One step per node (``srun --nodes=1 --ntasks=1 --nodelist=<host>``), so that each agent
+has a channel of its own: srun forwards the step's stdin (the node plan, the pings, and
+EOF to stop) and returns its stdout, exactly like the local pipe. ``--launcher_args`` are
+appended to every srun.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+
+from ...errors import UsageError
+from ..entry import AGENT_ARGS
+from ..plan import NodePlan
+from .base import AgentHandle, Backend
+from .local import LocalAgent
+
+
+def srun_command(node: NodePlan, python: str, launcher_args: str) -> list[str]:
+    """The srun line that starts ``node``'s agent."""
+    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}", "--quiet",
+            "--kill-on-bad-exit=1", *shlex.split(launcher_args), python, *AGENT_ARGS]
+
+
+class SlurmBackend(Backend):
+    """Starts one agent per node of the allocation with srun."""
+
+    name = "slurm"
+
+    def __init__(self, *, remote_python: str | None = None, launcher_args: str = ""):
+        self.python = remote_python or sys.executable
+        self.launcher_args = launcher_args
+
+    def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
+        if shutil.which("srun") is None:
+            raise UsageError("--launcher slurm, but srun is not on PATH",
+                             hint="run inside a SLURM allocation, or use --launcher ssh")
+
+    def start(self, node: NodePlan) -> AgentHandle:
+        proc = subprocess.Popen(srun_command(node, self.python, self.launcher_args),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                start_new_session=True)
+        return LocalAgent(node, proc)
