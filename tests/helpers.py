@@ -73,3 +73,17 @@ def tagged_json(stdout: str, tag: str) -> dict[int, tuple[str, dict]]:
             rank = data["rank"] if "rank" in data else int(data["env"]["RANK"])
             found[rank] = (head, data)
     return found
+
+
+def require(missing: list[str], what: str, installs: str) -> None:
+    """Skip when a piece of infrastructure is missing; in CI (CI=true) fail instead, since
+    ``.ci/run`` installs everything the tests need."""
+    import pytest
+
+    if not missing:
+        return
+    message = f"{what} need {', '.join(missing)}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message} (in CI a missing piece is a failure; .ci/run installs "
+                    f"{installs})")
+    pytest.skip(message)

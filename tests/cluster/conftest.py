@@ -7,18 +7,13 @@ import os
 import pytest
 
 from tests.cluster.simcluster import SimCluster, missing_tools
+from tests.helpers import require
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Three hosts, dsh1..dsh3, each with its own sshd, address and hostname."""
-    missing = missing_tools()
-    if missing:
-        message = f"the cluster tests need {', '.join(missing)}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{message} (in CI a missing piece is a failure; .ci/run installs "
-                        "openssh-server and iproute2)")
-        pytest.skip(message)
+    require(missing_tools(), "the cluster tests", "openssh-server and iproute2")
     sim = SimCluster(3, tmp_path_factory.mktemp("cluster"))
     try:
         yield sim.start()

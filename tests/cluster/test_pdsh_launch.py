@@ -9,15 +9,14 @@ import subprocess
 import pytest
 
 from tests.e2e.test_local_launch import wait_for_pids
-from tests.helpers import ROOT, SCRIPTS, ds_run_argv, run_ds, tagged_json
+from tests.helpers import ROOT, SCRIPTS, ds_run_argv, require, run_ds, tagged_json
 
 ALLREDUCE = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")
 
 
 @pytest.fixture
 def pdsh_env(cluster_env, cluster):
-    if shutil.which("pdsh") is None:
-        pytest.fail("pdsh is not installed (.ci/run installs it)")
+    require([] if shutil.which("pdsh") else ["pdsh"], "the pdsh tests", "pdsh")
     home = cluster.home
     # pdsh runs OpenSSH, which reads the account's ~/.ssh, not $HOME: point it at the test's
     return {**cluster_env, "PDSH_SSH_ARGS_APPEND": f"-F {home}/.ssh/config -o "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.simslurm import SimSlurm, missing_tools
-from tests.helpers import ROOT, SCRIPTS, tagged_json
+from tests.helpers import ROOT, SCRIPTS, require, tagged_json
 
 ALLREDUCE = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")
 WRAPPER = str(ROOT / "hostfiles" / "slurm" / "ds-run.sbatch")
@@ -20,12 +20,7 @@ WRAPPER = str(ROOT / "hostfiles" / "slurm" / "ds-run.sbatch")
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    missing = missing_tools()
-    if missing:
-        message = f"the SLURM tests need {', '.join(missing)}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{message} (.ci/run installs slurm-wlm and munge)")
-        pytest.skip(message)
+    require(missing_tools(), "the SLURM tests", "slurm-wlm and munge")
     sim = SimSlurm(tmp_path_factory.mktemp("slurm"))
     try:
         yield sim.start()
