@@ -8,7 +8,6 @@ one-line message before any process starts.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -265,6 +264,8 @@ def check_script(options: LaunchOptions) -> None:
     if options.module:
         return
     if options.no_python:
+        import shutil  # ~15 ms: only for --no_python
+
         if shutil.which(script) is None:
             raise UsageError("program not found or not executable", where=script,
                              hint="give a path or a program on PATH")

@@ -10,7 +10,6 @@ workers) stay in our tree, where :func:`stop_tree` finds them. Only ``/proc`` an
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import time
@@ -20,6 +19,8 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 def become_subreaper() -> None:
     """Orphaned descendants get re-parented to this process (Linux; a no-op elsewhere)."""
+    import ctypes  # only here: ctypes costs a few ms of every start
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 

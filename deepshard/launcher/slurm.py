@@ -8,8 +8,6 @@ GPUs, ``--num_gpus`` CPU slots.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Mapping
 
 from ..errors import UsageError
@@ -25,6 +23,9 @@ def in_allocation(environ: Mapping[str, str]) -> bool:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Host names of a node list: SLURM's own expansion when scontrol is here."""
+    import shutil
+    import subprocess
+
     scontrol = shutil.which("scontrol")
     if scontrol:
         try:
