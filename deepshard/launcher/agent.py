@@ -8,10 +8,16 @@ first line on stdin is the :class:`~.plan.NodePlan` as JSON. The agent then
   its own cores;
 * relays every output line (stdout and stderr merged) on its stdout, and to
   ``<log_dir>/rank_<N>.log`` when a log directory is given;
-* reports ``started``/``exited``/``done`` events (:mod:`deepshard.contract`);
+* reports ``started``/``exited``/``hung``/``done`` events (:mod:`deepshard.contract`),
+  and every second an ``alive`` event with each worker's step, heartbeat age, RSS and CPU
+  and the GPUs' memory (its liveness for the coordinator);
+* gives each worker a heartbeat file (:mod:`deepshard.liveness`); with a hang timeout, a
+  worker that has beaten and then goes silent that long has its stacks dumped (SIGUSR1)
+  and fails the node;
 * stops every worker (SIGTERM, grace, SIGKILL, to the whole process group and to any
-  orphaned descendant, which it collects as the child subreaper) when a worker fails, when
-  it receives SIGTERM/SIGINT/SIGHUP, or when its stdin closes: it dies with its channel.
+  orphaned descendant, which it collects as the child subreaper) when a worker fails or
+  hangs, when it receives SIGTERM/SIGINT/SIGHUP, when its stdin closes (it dies with its
+  channel), or when the coordinator's pings stop for the lease.
 
 States: STARTING → RUNNING → (SUCCEEDED | FAILED | STOPPED). Its exit code is 0 only
 when every worker exited with 0.
