@@ -22,8 +22,10 @@ import time
 
 from . import contract
 
-RECORD = struct.Struct("<qq")
-"""(monotonic ns of the last beat, step or -1); 0 ns = never beaten."""
+RECORD = struct.Struct("<qqq")
+"""(monotonic ns of the last beat, step or -1, pid of the beating process); 0 ns = never
+beaten. The pid is where the agent sends :data:`STACK_DUMP_SIGNAL`: the worker's own
+process may be a wrapper (a shell, a launcher) that never registered the handler."""
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 """The agent sends this to a hung worker, whose faulthandler then prints every thread's
 Python stack to stderr (its log)."""
@@ -43,9 +45,10 @@ class _Beater:
             self._map = mmap.mmap(fd, RECORD.size)
         finally:
             os.close(fd)
+        self._pid = os.getpid()
 
     def beat(self, step: int) -> None:
-        RECORD.pack_into(self._map, 0, time.monotonic_ns(), step)
+        RECORD.pack_into(self._map, 0, time.monotonic_ns(), step, self._pid)
 
 
 @functools.cache
@@ -67,11 +70,18 @@ def heartbeat(step: int | None = None) -> None:
             beater.beat(-1 if step is None else step)
 
 
-def read_heartbeat(path: str) -> tuple[int, int]:
-    """(monotonic ns of the last beat or 0, step or -1): the agent's side."""
+def _after_fork() -> None:
+    _beater.cache_clear()  # a forked child is another process: map again, with its pid
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def read_heartbeat(path: str) -> tuple[int, int, int]:
+    """(monotonic ns of the last beat or 0, step or -1, pid or 0): the agent's side."""
     fd = os.open(path, os.O_RDONLY)
     try:
         data = os.pread(fd, RECORD.size, 0)
     finally:
         os.close(fd)
-    return RECORD.unpack(data) if len(data) == RECORD.size else (0, -1)
+    return RECORD.unpack(data) if len(data) == RECORD.size else (0, -1, 0)

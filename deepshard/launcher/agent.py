@@ -258,41 +258,47 @@ class Agent:
         """Once a second: report liveness and stats; check the lease and for hung workers."""
         now_ns = time.monotonic_ns()
         workers: dict[str, dict[str, object]] = {}
-        hung: list[tuple[float, int, _Worker]] = []
+        hung: list[tuple[float, int, _Worker, int]] = []
         for w in self._workers:
             if w.returncode is not None:
                 continue
             try:
-                beat_ns, step = read_heartbeat(w.beat_file)
+                beat_ns, step, beat_pid = read_heartbeat(w.beat_file)
             except OSError:
-                beat_ns, step = 0, -1
+                beat_ns, step, beat_pid = 0, -1, 0
             age = (now_ns - beat_ns) / 1e9 if beat_ns else None
             workers[str(w.plan.rank)] = {"step": step, "beat_age": age,
                                          **self._probe.worker(w)}
             hang = self.node.hang_timeout
             if hang and age is not None and age > hang:
-                hung.append((-age, step, w))
+                hung.append((-age, step, w, beat_pid))
         self._channel.write(contract.encode_event(
             contract.EV_ALIVE, host=self.node.host, workers=workers, gpus=self._probe.gpus()))
         if hung:
             # ranks waiting in a collective for a stuck one stall too: dump them all, and
             # name the one silent longest (then: furthest behind, then lowest rank)
             hung.sort(key=lambda h: (h[0], h[1], h[2].plan.rank))
-            self._dump_stacks([w for _, _, w in hung], -hung[0][0])
+            self._dump_stacks([(w, pid) for _, _, w, pid in hung], -hung[0][0])
             return "hung", hung[0][2]
         if self.node.lease_timeout and now - self._last_heard > self.node.lease_timeout:
             return "stop", "the coordinator is unreachable"
         return "ok", None
 
-    def _dump_stacks(self, hung: list[_Worker], silent: float) -> None:
-        """Have hung workers print their Python stacks (faulthandler) into their output."""
-        for worker in hung:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.proc.pid, STACK_DUMP_SIGNAL)
-        time.sleep(0.5)  # the dumps travel through the workers' pipes to their logs
+    def _dump_stacks(self, hung: list[tuple[_Worker, int]], silent: float) -> None:
+        """Have hung workers print their Python stacks (faulthandler) into their output:
+        the signal goes to the process that heartbeat (which registered the handler), and
+        only when it is still one of this worker's processes."""
+        dumped = False
+        for worker, pid in hung:
+            if pid and (pid == worker.proc.pid or pid in procs.descendants(worker.proc.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, STACK_DUMP_SIGNAL)
+                    dumped = True
+        if dumped:
+            time.sleep(0.5)  # the dumps travel through the workers' pipes to their logs
         self._channel.write(contract.encode_event(
-            contract.EV_HUNG, host=self.node.host, rank=hung[0].plan.rank, silent=silent,
-            ranks=sorted(w.plan.rank for w in hung)))
+            contract.EV_HUNG, host=self.node.host, rank=hung[0][0].plan.rank, silent=silent,
+            ranks=sorted(w.plan.rank for w, _ in hung), dumped=dumped))
 
     # -- workers -----------------------------------------------------------------------------
     def _start_workers(self) -> None:
@@ -305,7 +311,9 @@ class Agent:
             os.makedirs(node.log_dir, exist_ok=True)
         # not tempfile.mkdtemp: its import costs 10 ms of every agent's start
         base_dir = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
-        self._beat_dir = os.path.join(base_dir, f"deepshard-beats-{os.urandom(6).hex()}")
+        _remove_stale_beat_dirs(base_dir)
+        self._beat_dir = os.path.join(base_dir,
+                                      f"deepshard-beats-{os.getpid()}-{os.urandom(4).hex()}")
         os.mkdir(self._beat_dir, 0o700)
         for i, plan in enumerate(node.workers):
             env = dict(base)
@@ -376,6 +384,21 @@ class Agent:
             if not w.reported:
                 w.returncode = w.proc.wait()
                 self._report_exit(w)
+
+
+def _remove_stale_beat_dirs(base_dir: str) -> None:
+    """Heartbeat directories of agents that died without cleaning up (SIGKILL)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base_dir):
+            parts = name.split("-")
+            if name.startswith("deepshard-beats-") and len(parts) == 4 and parts[2].isdigit():
+                if os.path.exists(f"/proc/{parts[2]}"):
+                    continue
+                path = os.path.join(base_dir, name)
+                with contextlib.suppress(OSError):
+                    for entry in os.listdir(path):
+                        os.remove(os.path.join(path, entry))
+                    os.rmdir(path)
 
 
 def _watch_stdin(agent: Agent) -> None:

@@ -8,6 +8,7 @@ one-line message before any process starts.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from . import procs
 from .backends import Backend, LocalBackend, Router
 from .coordinator import Coordinator
 from .entry import DEFAULT_HOSTFILE
-from .env_file import read_env_files
+from .env_file import home_dir, read_env_files
 from .hostfile import read_hostfile
 from .options import LaunchOptions
 from .placement import place, select
@@ -110,8 +111,13 @@ def default_launcher(hostfile: str | None, environ: os._Environ | dict) -> str:
 def launch(options: LaunchOptions, spawned: list | None = None) -> int:
     """Plan the job (raising :class:`UsageError` on bad input), then run it, restarting
     it after failures while ``--max_restarts`` allows."""
-    run_id = os.environ.get("DEEPSHARD_RUN_ID") or os.urandom(6).hex()
-    first = make_plan(options, run_id=run_id)
+    # a requeued SLURM job is the same run: its id and restart count carry over
+    slurm_job = os.environ.get("SLURM_JOB_ID") if in_allocation(os.environ) else None
+    run_id = os.environ.get("DEEPSHARD_RUN_ID") or (
+        f"slurm-{slurm_job}" if slurm_job else os.urandom(6).hex())
+    requeues = os.environ.get("SLURM_RESTART_COUNT", "") if slurm_job else ""
+    restarts_before = int(requeues) if requeues.isdigit() else 0
+    first = make_plan(options, run_id=run_id, restart_count=restarts_before)
     if options.dry_run:
         from .render import render_plan  # rich costs ~70 ms: only for --dry_run
 
@@ -131,7 +137,8 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
         plan = first
         if restart:  # a fresh port, the restart count in the contract, the same run id
             try:
-                plan = make_plan(options, run_id=run_id, restart_count=restart)
+                plan = make_plan(options, run_id=run_id,
+                                 restart_count=restarts_before + restart)
                 backend.prepare(plan.nodes)
             except UsageError as exc:
                 sys.stderr.write(f"ds-run: cannot restart: {exc}\n")
@@ -140,12 +147,31 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
 
     # orphans of a local agent that died (SIGKILL, OOM killer) come to us: swept below
     procs.become_subreaper()
+    # between attempts (the restart backoff) SIGTERM/SIGHUP must still end in cleanup; during
+    # an attempt the coordinator's own handlers take over
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         backend.prepare(first.nodes)  # a host that cannot be reached: exit 2, nothing ran
         return supervise(attempt, options.max_restarts, err=sys.stderr)
+    except _Stopped as stop:
+        sys.stderr.write(f"ds-run: {signal.Signals(stop.signum).name} received between "
+                         "attempts: not restarting\n")
+        return 128 + stop.signum
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         backend.close()
         procs.stop_tree(set(), options.stop_grace)
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
 
 
 def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live: bool,
@@ -228,7 +254,7 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
     # under SLURM every node's agent is an srun step, this node's too
     locality = {n.host: options.launcher != "slurm" and is_local(n.host, names)
                 for n in placement.nodes}
-    env_file = read_env_files(os.environ, Path.home(), Path.cwd())
+    env_file = read_env_files(os.environ, home_dir(), Path.cwd())
     master_addr = options.master_addr or rendezvous_address(placement.nodes[0].host,
                                                             locality, options)
     master_port = options.master_port or free_port(master_addr)

@@ -232,9 +232,10 @@ class Coordinator:
             rank = int(event.get("rank"))  # type: ignore[arg-type]
             silent = float(event.get("silent"))  # type: ignore[arg-type]
             ranks = ",".join(map(str, event.get("ranks") or [rank]))  # type: ignore[union-attr]
+            where = ("their Python stacks are in their output and logs" if event.get("dumped")
+                     else "no stacks: the silent process is gone")
             self._fail(Failure(host, rank, None, f"hung: no heartbeat for {silent:.0f} s "
-                               f"(hung on {host}: rank(s) {ranks}; their Python stacks are in "
-                               "their output and logs)"))
+                               f"(hung on {host}: rank(s) {ranks}; {where})"))
         elif event.kind == contract.EV_ALIVE and self.view is not None:
             self.view.update(host, event.get("workers") or {}, event.get("gpus") or [])
         elif event.kind == contract.EV_DONE and event.get("state") not in ("succeeded",

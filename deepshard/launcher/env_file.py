@@ -60,18 +60,25 @@ def parse_env_text(text: str, path: str) -> dict[str, str]:
     return result
 
 
-def env_file_paths(environ: Mapping[str, str], home: Path, cwd: Path) -> list[Path]:
+def home_dir() -> Path | None:
+    """The home directory, or None where there is none (no HOME, no passwd entry: e.g.
+    ``docker run --user 1000``)."""
+    home = os.path.expanduser("~")
+    return None if home.startswith("~") else Path(home)
+
+
+def env_file_paths(environ: Mapping[str, str], home: Path | None, cwd: Path) -> list[Path]:
     """The candidate files, in the order they are applied (later wins)."""
     name = environ.get(ENV_FILE_VAR) or DEFAULT_NAME
     paths: list[Path] = []
-    for base in (home, cwd):
+    for base in (b for b in (home, cwd) if b is not None):
         path = base / os.path.expanduser(name)
         if path.resolve() not in {p.resolve() for p in paths}:
             paths.append(path)
     return paths
 
 
-def read_env_files(environ: Mapping[str, str], home: Path, cwd: Path) -> EnvFile:
+def read_env_files(environ: Mapping[str, str], home: Path | None, cwd: Path) -> EnvFile:
     """Read every env file that exists; a named ``DS_ENV_FILE`` that exists nowhere is an error."""
     merged: dict[str, str] = {}
     sources: list[str] = []

@@ -39,7 +39,8 @@ class LiveView:
                 self._rows[w.rank] = {"host": node.host, "state": "starting"}
                 if w.local_rank < len(slots) and slots[w.local_rank].isdigit():
                     self._device[w.rank] = int(slots[w.local_rank])
-        self.console = Console(file=stream)
+        # worker output is data: no emoji codes (":fire:"), markup or highlighting
+        self.console = Console(file=stream, emoji=False, markup=False, highlight=False)
         self._live = Live(self._table(), console=self.console, refresh_per_second=4,
                           transient=False, auto_refresh=True)
 

@@ -70,7 +70,8 @@ def test_dry_run_inside_an_allocation_prints_srun_and_placement(slurm_env):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     node = os.uname().nodename.split(".")[0]
-    assert f"agent on {node}: srun --nodes=1 --ntasks=1 --nodelist={node}" in result.stdout
+    assert f"agent on {node}: srun --nodes=1 --ntasks=1 --nodelist={node} --overlap" \
+        in result.stdout
     assert "2 worker(s) on 1 node(s)" in result.stdout
     assert f"MASTER_ADDR={node}" in result.stdout
 

@@ -94,3 +94,32 @@ def test_ctrl_c_is_not_restarted(job_token, tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "restarting" not in err
+
+
+def test_hang_under_a_wrapper_dumps_the_python_stacks(job_token, tmp_path):
+    """The worker is a shell running Python: the stack-dump signal goes to the process
+    that heartbeat (which registered faulthandler), not to the shell, which it would
+    kill."""
+    import sys
+
+    result = run_ds("--no_python", "--no_local_rank", "--hang_timeout", "1", "sh", "-c",
+                    f"{sys.executable} {SCRIPTS / 'beatblock.py'}; echo {job_token}",
+                    timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "their Python stacks are in their output and logs" in result.stderr
+    assert "blocked_here" in result.stdout
+
+
+def test_sigterm_during_the_restart_backoff_stops_cleanly(job_token, tmp_path):
+    proc = subprocess.Popen(
+        ds_run_argv("--num_gpus", "1", "--max_restarts", "5", str(SCRIPTS / "sleeper.py"),
+                    str(tmp_path), "--die-rank", "0", "--die-how", "exit3", job_token),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "restarting the job in 2 s (restart 3 of 5)" in line:
+            break  # a 2 s backoff: the signal lands in it
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received between attempts: not restarting" in err

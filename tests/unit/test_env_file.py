@@ -234,3 +234,13 @@ def test_nul_byte_in_value_is_an_error_with_line():
         parse_env_text("A=1\nB=x\0y\n", "envf")
     assert str(info.value).startswith("envf:2: the value of B contains a NUL byte")
     assert "HINT:" in str(info.value)
+
+
+def test_no_home_directory_reads_the_working_directory_only(tmp_path, monkeypatch):
+    """No HOME and no passwd entry (docker --user 1000): only the cwd's file counts."""
+    from deepshard.launcher.env_file import home_dir
+
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p)  # what Python does then
+    assert home_dir() is None
+    (tmp_path / ".deepspeed_env").write_text("A=1\n")
+    assert read_env_files({}, None, tmp_path).as_dict() == {"A": "1"}

@@ -22,8 +22,10 @@ from .local import LocalAgent
 
 def srun_command(node: NodePlan, python: str, launcher_args: str) -> list[str]:
     """The srun line that starts ``node``'s agent."""
-    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}", "--quiet",
-            "--kill-on-bad-exit=1", *shlex.split(launcher_args), python, *AGENT_ARGS]
+    # --overlap: ds-run may itself run in a step (srun --pty bash) holding the resources
+    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}", "--overlap",
+            "--quiet", "--kill-on-bad-exit=1", *shlex.split(launcher_args), python,
+            *AGENT_ARGS]
 
 
 class SlurmBackend(Backend):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ... import __version__
 from ...errors import UsageError
-from ..env_file import read_env_files
+from ..env_file import home_dir, read_env_files
 from ..render import MASK, is_secret
 from ..resources import cpu_count, gpu_ids
 
@@ -239,7 +239,7 @@ def collect(*, with_torch: bool = True) -> Report:
             gpus = ()
             warnings.append(str(exc))
         try:
-            env = read_env_files(os.environ, Path.home(), Path.cwd())
+            env = read_env_files(os.environ, home_dir(), Path.cwd())
             env_vars = {k: MASK if is_secret(k) else v for k, v in env.variables}
             env_sources = list(env.sources)
         except UsageError as exc:

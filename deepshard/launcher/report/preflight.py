@@ -126,6 +126,14 @@ def preflight(resources: Resources, *, cwd: str, master_port: int, ssh_port: int
     python = remote_python or sys.executable
 
     def check(index: int) -> HostCheck:
+        try:
+            return probe(index)
+        except Exception as exc:  # one odd host must give one FAIL row, not a traceback
+            return HostCheck(resources.hosts[index].name, True,
+                             problems=[f"probe failed: {type(exc).__name__}: {exc}"],
+                             fixes=["run the probe by hand: ssh <host> python -c ..."])
+
+    def probe(index: int) -> HostCheck:
         host = resources.hosts[index]
         port = master_port if index == 0 else 0
         start = time.time()
