@@ -15,10 +15,8 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,17 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from tests.cluster.simcluster import SimCluster, missing_tools  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import time_command  # noqa: E402
+
 TRIVIAL = str(ROOT / "benchmarks" / "trivial.py")
-
-
-def timed(argv: list[str], env: dict[str, str]) -> float:
-    start = time.perf_counter()
-    result = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True,
-                            check=False)
-    elapsed = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"{argv[0]} failed ({result.returncode}): {result.stderr[-800:]}")
-    return elapsed
 
 
 def main() -> None:
@@ -70,10 +61,10 @@ def main() -> None:
                 }
                 times: dict[str, list[float]] = {k: [] for k in runs}
                 for argv in runs.values():
-                    timed(argv, env)  # warm-up
+                    time_command(argv, env=env, cwd=ROOT)  # warm-up
                 for _ in range(args.rounds):
                     for name, argv in runs.items():
-                        times[name].append(timed(argv, env))
+                        times[name].append(time_command(argv, env=env, cwd=ROOT))
                 rows.append((n, {k: statistics.median(v) for k, v in times.items()}))
         finally:
             cluster.stop()

@@ -19,12 +19,14 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from timing import time_command  # noqa: E402
+
 TRIVIAL = str(HERE / "trivial.py")
 
 
@@ -41,27 +43,17 @@ def launchers() -> dict[str, list[str]]:
     return found
 
 
-def time_once(argv: list[str]) -> float:
-    start = time.perf_counter()
-    result = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, check=False)
-    elapsed = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"{argv[0]} failed ({result.returncode}): {result.stderr[-500:]}")
-    return elapsed
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     runs = launchers()
     for argv in runs.values():  # warm the page cache and .pyc files
-        time_once(argv)
+        time_command(argv)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, argv in runs.items():
-            times[name].append(time_once(argv))
+            times[name].append(time_command(argv))
     medians = {name: statistics.median(values) for name, values in times.items()}
     ours = medians["ds-run"]
     print(f"trivial 2-worker job, median of {args.rounds} alternating rounds; "

@@ -268,10 +268,13 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
 
 def rendezvous_address(first_host: str, locality: dict[str, bool],
                        options: LaunchOptions) -> str:
-    """MASTER_ADDR: loopback when every node is this machine; else the first host's address
-    as ssh reaches it (its ``HostName`` in ~/.ssh/config, else its name)."""
+    """MASTER_ADDR: loopback when every node is this machine; under SLURM the first node's
+    name; else the first host's address as ssh reaches it (its ``HostName`` in
+    ~/.ssh/config, else its name)."""
     if all(locality.values()):
         return "127.0.0.1"
+    if options.launcher == "slurm":
+        return first_host  # SLURM's node names resolve on its nodes; no ssh config applies
     if locality[first_host]:
         return socket.gethostname()
     from .ssh_config import load_config_text, resolve_target

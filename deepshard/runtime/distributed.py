@@ -54,10 +54,10 @@ def resolve_dist_env(environ: Mapping[str, str], default_port: int = DEFAULT_POR
     ``default_port`` is the rendezvous port when ``MASTER_PORT`` is unset (under SLURM, a
     port derived from the job id, so that jobs sharing a node differ).
     """
-    return _checked(_resolve(environ, default_port), environ)
+    return _checked(_resolve(environ, default_port))
 
 
-def _checked(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
+def _checked(env: DistEnv) -> DistEnv:
     """Reject values torch would only fail on later, or hang on (a rank no one will be)."""
     def bad(what: str, hint: str) -> UsageError:
         return UsageError(what, where=f"environment (read as {env.source})", hint=hint)
@@ -207,7 +207,7 @@ def init_distributed(
         if dist_env.source == "single" and not environ.get("MASTER_PORT"):
             # a free port of our own is useless to the other ranks: use the agreed one
             overrides["master_port"] = distributed_port
-        dist_env = _checked(dataclasses.replace(dist_env, **overrides), environ)
+        dist_env = _checked(dataclasses.replace(dist_env, **overrides))
     if dist_init_required is False or (dist.is_available() and dist.is_initialized()):
         return dist_env
     export_contract(dist_env, os.environ)
