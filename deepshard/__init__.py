@@ -16,12 +16,23 @@ _LAZY = {
     "heartbeat": "deepshard.liveness",
     "init_distributed": "deepshard.runtime.distributed",
     "DistEnv": "deepshard.runtime.distributed",
+    "initialize": "deepshard.runtime.api",
+    "add_config_arguments": "deepshard.runtime.api",
+    "DeepShardEngine": "deepshard.runtime.engine",
+    "get_fp32_state_dict": "deepshard.runtime.checkpoint",
 }
+# DeepSpeed's spellings of the same things
+_ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict"}
+# submodules offered as attributes, like ``deepspeed.checkpointing``
+_MODULES = {"checkpointing": "deepshard.runtime.activation_checkpointing"}
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY, *_ALIASES, *_MODULES]
 
 
 def __getattr__(name: str) -> object:
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
+    name = _ALIASES.get(name, name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'deepshard' has no attribute {name!r}")

@@ -7,7 +7,14 @@ Internal invariants use ``assert``; user input never does.
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 EXIT_USAGE = 2
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class UsageError(Exception):
@@ -30,3 +37,18 @@ class UsageError(Exception):
         if self.hint:
             text += f". HINT: {self.hint}"
         return " ".join(text.split("\n"))
+
+
+def exit_on_usage_error(fn: Callable[P, R]) -> Callable[P, R]:
+    """For runtime entry points called from users' scripts: a :class:`UsageError` becomes
+    one line on stderr and exit code 2, like the CLI's, instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as exc:
+            print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USAGE) from None
+
+    return wrapper

@@ -1,0 +1,222 @@
+"""Checkpoint files: one directory per tag, written atomically, with a JSON manifest.
+
+Layout of ``<save_dir>``::
+
+    latest                      the newest complete tag (text), replaced atomically, last
+    <tag>/manifest.json         world size, ZeRO stage, dtypes, step, deepshard version, files
+    <tag>/model_states.pt       what every rank shares (stage 0: module, fp32 masters,
+                                optimizer, scheduler, loss scaler, counters, client_state)
+    <tag>/rank_00000.pt ...     what each rank alone holds (RNG states; ZeRO shards later)
+
+Saving writes everything into ``.<tag>.partial``, then the manifest, fsyncs, and renames the
+directory to ``<tag>``; only then is ``latest`` replaced. A process killed at any point
+leaves the previous checkpoint and ``latest`` intact; a directory without a manifest is
+never loaded. The save directory must be shared by all ranks (as with DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UsageError, exit_on_usage_error
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+SHARED_FILE = "model_states.pt"
+
+
+def rank_file(rank: int) -> str:
+    """Name of one rank's file inside a tag directory."""
+    return f"rank_{rank:05d}.pt"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds; written last, so its presence means complete."""
+
+    tag: str
+    world_size: int
+    zero_stage: int
+    param_dtype: str
+    master_dtype: str | None
+    global_steps: int
+    deepshard_version: str
+    files: tuple[str, ...]
+    format: int = FORMAT
+    created_unix: float = 0.0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: object, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(save_dir: str | os.PathLike, manifest: Manifest, *, rank: int,
+         shared: Mapping[str, object] | None, own: Mapping[str, object],
+         barrier: Callable[[], None]) -> Path:
+    """Write one checkpoint collectively; every rank calls this, rank 0 commits it.
+
+    ``shared`` is written by rank 0 only; ``own`` by every rank. Returns the tag directory.
+    """
+    root = Path(save_dir)
+    final, partial = root / manifest.tag, root / f".{manifest.tag}.partial"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    barrier()
+    _save_file(dict(own), partial / rank_file(rank))
+    if rank == 0 and shared is not None:
+        _save_file(dict(shared), partial / SHARED_FILE)
+    barrier()
+    if rank == 0:
+        _commit(root, final, partial, manifest)
+    barrier()
+    return final
+
+
+def _commit(root: Path, final: Path, partial: Path, manifest: Manifest) -> None:
+    text = json.dumps(asdict(manifest), indent=2)
+    with open(partial / MANIFEST, "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    old = root / f".{manifest.tag}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    tmp = root / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(manifest.tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def read_manifest(tag_dir: Path) -> Manifest | None:
+    """The manifest of a complete checkpoint, or ``None`` when it is incomplete."""
+    try:
+        data = json.loads((tag_dir / MANIFEST).read_text())
+        data["files"] = tuple(data["files"])
+        return Manifest(**data)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def complete_tags(load_dir: Path) -> list[tuple[int, str]]:
+    """``(global_steps, tag)`` of every complete checkpoint, newest first."""
+    found = []
+    if load_dir.is_dir():
+        for entry in load_dir.iterdir():
+            if entry.is_dir() and not entry.name.startswith("."):
+                manifest = read_manifest(entry)
+                if manifest is not None:
+                    found.append((manifest.global_steps, entry.name))
+    return sorted(found, reverse=True)
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Manifest | None:
+    """The manifest to load: ``tag``, else ``latest``, else the newest complete tag.
+
+    Returns ``None`` when ``tag`` is ``None`` and there is no complete checkpoint at all.
+    """
+    root = Path(load_dir)
+    if tag is not None:
+        manifest = read_manifest(root / tag)
+        if manifest is None:
+            have = ", ".join(t for _, t in complete_tags(root)) or "none"
+            raise UsageError(f"no complete checkpoint with tag {tag!r}", where=str(root / tag),
+                             hint=f"complete tags here: {have}")
+        return manifest
+    try:
+        latest = (root / LATEST).read_text().strip()
+    except OSError:
+        latest = ""
+    manifest = read_manifest(root / latest) if latest else None
+    if manifest is None:
+        tags = complete_tags(root)
+        manifest = read_manifest(root / tags[0][1]) if tags else None
+    return manifest
+
+
+def load_file(tag_dir: Path, name: str) -> dict:
+    """One file of a checkpoint (our own files: full unpickling, not ``weights_only``)."""
+    try:
+        return torch.load(tag_dir / name, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise UsageError(f"cannot read checkpoint file ({exc})", where=str(tag_dir / name),
+                         hint="the checkpoint is damaged: load an older tag") from None
+
+
+def rng_states() -> dict:
+    """Every RNG a training step can draw from, for an exact resume."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(),
+              "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Mapping[str, object]) -> None:
+    """Restore what :func:`rng_states` captured."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def now() -> float:
+    """Wall-clock time for the manifest."""
+    return time.time()
+
+
+@exit_on_usage_error
+def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
+                        tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The full model state dict in fp32 from a checkpoint, whatever precision it trained in.
+
+    Floating tensors come from the fp32 master weights when the job kept them, else from the
+    module's own values cast to fp32; other tensors (e.g. integer buffers) are unchanged.
+    """
+    manifest = resolve_tag(checkpoint_dir, tag)
+    if manifest is None:
+        raise UsageError("no complete checkpoint", where=str(checkpoint_dir),
+                         hint="pass the directory given to engine.save_checkpoint()")
+    shared = load_file(Path(checkpoint_dir) / manifest.tag, SHARED_FILE)
+    masters = shared.get("fp32_masters") or {}
+    out = {}
+    for name, value in shared["module"].items():
+        if name in masters:
+            out[name] = masters[name]
+        elif torch.is_floating_point(value):
+            out[name] = value.float()
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,369 @@
+"""The training engine a DeepSpeed script drives: ``engine(batch)``, ``backward``, ``step``.
+
+:func:`deepshard.initialize` builds the parts (module in its training dtype, gradient
+buckets, fp32 masters, optimizer, scheduler, loss scaler) and hands them to
+:class:`DeepShardEngine`, which only sequences them:
+
+- ``backward(loss)`` scales the loss by ``loss_scale / (gradient_accumulation_steps ×
+  world)`` and runs autograd; at an accumulation boundary the buckets all-reduce during it;
+- ``step()`` counts micro-steps; at a boundary it waits for the reductions, unscales into
+  the masters, checks for overflow (fp16: a skipped step on every rank, since every rank
+  has the same reduced gradients), clips, steps the optimizer and the scheduler, zeroes the
+  gradients and beats the launcher's heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..errors import UsageError, exit_on_usage_error
+from ..liveness import heartbeat
+from . import checkpoint as ckpt
+from .buckets import GradBuckets
+from .precision import MasterWeights, clip_, global_norm
+
+logger = logging.getLogger("deepshard")
+
+
+@dataclass
+class Counters:
+    """Progress, saved in checkpoints (DeepSpeed's names)."""
+
+    global_steps: int = 0
+    micro_steps: int = 0
+    skipped_steps: int = 0
+    global_samples: int = 0
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything :class:`DeepShardEngine` sequences, built by ``deepshard.initialize``."""
+
+    module: torch.nn.Module
+    config: object
+    params: tuple[torch.nn.Parameter, ...]
+    names: tuple[str, ...]
+    buckets: GradBuckets
+    masters: MasterWeights | None
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: object | None
+    loss_scaler: object | None
+    group: dist.ProcessGroup | None
+    rank: int
+    dp_rank: int
+    dp_world: int
+    device: torch.device
+    profiler_factory: Callable[[], object] | None = None
+
+
+class DeepShardEngine(torch.nn.Module):
+    """DeepSpeed's engine API over stage 0 data parallelism (see the module docstring)."""
+
+    def __init__(self, parts: EngineParts):
+        super().__init__()
+        self.module = parts.module
+        self._parts = parts
+        self._config = parts.config
+        self.optimizer = parts.optimizer
+        self.lr_scheduler = parts.lr_scheduler
+        self.loss_scaler = parts.loss_scaler
+        self.counters = Counters()
+        self.global_rank, self.dp_world_size, self.device = parts.rank, parts.dp_world, parts.device
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._grad_norm: float | None = None
+        self._step_applied = False
+        self._profiler = None
+        self._profile_printed = False
+
+    # -- DeepSpeed's getters -------------------------------------------------------------
+    @property
+    def config(self):
+        """The validated config (``deepshard.runtime.config.DeepShardConfig``)."""
+        return self._config
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (including fp16-skipped ones, as in DeepSpeed)."""
+        return self.counters.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches seen."""
+        return self.counters.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because of fp16 overflow."""
+        return self.counters.skipped_steps
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by all ranks."""
+        return self.counters.global_samples
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def memory_breakdown(self) -> bool:
+        """DeepSpeed's config flag getter (``memory_breakdown``); deepshard does not log it."""
+        return False
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of every param group."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self) -> list:
+        """Momentum (``betas`` for Adam-style groups, ``momentum`` for SGD) per param group."""
+        if not self.optimizer:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the last step's gradients, when it was computed (clipping or fp16)."""
+        return self._grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary's optimizer step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last one before an optimizer step."""
+        return (self.counters.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model states this rank holds: ``params``, ``grads``, ``optimizer``.
+
+        ``optimizer`` counts the optimizer's state tensors plus the fp32 master weights
+        (and their gradients) kept for fp16/bf16 training.
+        """
+        params = sum(t.numel() * t.element_size() for t in self.module.parameters())
+        grads = self._parts.buckets.nbytes()
+        optimizer = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                optimizer += sum(v.numel() * v.element_size() for v in state.values()
+                                 if torch.is_tensor(v))
+        if self._parts.masters is not None:
+            master_params, master_grads = self._parts.masters.nbytes()
+            optimizer += master_params + master_grads
+        return {"params": params, "grads": grads, "optimizer": optimizer}
+
+    # -- training ------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """The module's forward (profiled at ``flops_profiler.profile_step`` on rank 0)."""
+        if self._config.fp16.enabled and self._config.fp16.auto_cast:
+            inputs = tuple(_to_half(x) for x in inputs)
+            kwargs = {k: _to_half(v) for k, v in kwargs.items()}
+        factory = self._parts.profiler_factory
+        if (factory is not None and self.module.training and self._profiler is None
+                and self.counters.global_steps == self._config.flops_profiler.profile_step):
+            self._profiler = factory()
+            return self._profiler.profile_forward(lambda: self.module(*inputs, **kwargs))
+        return self.module(*inputs, **kwargs)
+
+    @exit_on_usage_error
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss`` (scaled as in DeepSpeed: by 1/accumulation and the fp16 loss
+        scale); at an accumulation boundary, gradients are all-reduced while this runs."""
+        if not loss.requires_grad:
+            raise UsageError("engine.backward() got a loss that does not require grad",
+                             where="engine.backward",
+                             hint="compute the loss from engine(...) outputs in train mode, "
+                                  "outside torch.no_grad()")
+        self._parts.buckets.sync = self.is_gradient_accumulation_boundary()
+        factor = 1.0 / (self._config.gradient_accumulation_steps * self.dp_world_size)
+        if self.loss_scaler is not None:
+            factor *= self.loss_scaler.loss_scale
+        (loss.float() * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        return loss
+
+    @exit_on_usage_error
+    def step(self) -> None:
+        """Count a micro-batch; at an accumulation boundary apply the optimizer step."""
+        if not self.is_gradient_accumulation_boundary():
+            self.counters.micro_steps += 1
+            return
+        if self.optimizer is None:
+            raise UsageError("engine.step() without an optimizer", where="optimizer",
+                             hint='add an "optimizer" section to the config, or pass '
+                                  "optimizer= to deepshard.initialize()")
+        started = time.perf_counter()
+        self._parts.buckets.finish()
+        self._step_applied = self._apply()
+        self._parts.buckets.zero()
+        c = self.counters
+        c.micro_steps += 1
+        c.global_steps += 1
+        c.global_samples += self._config.train_batch_size
+        heartbeat(c.global_steps)
+        self._report(time.perf_counter() - started)
+
+    def _apply(self) -> bool:
+        parts, cfg = self._parts, self._config
+        if parts.masters is not None:
+            inv = 1.0 / self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+            parts.masters.load_grads(parts.buckets.buffers, inv)
+            grads = parts.masters.grad_flats
+        else:
+            grads = parts.buckets.buffers
+        self._grad_norm = None
+        if cfg.gradient_clipping > 0 or self.loss_scaler is not None:
+            norm = global_norm(grads)
+            self._grad_norm = float(norm)
+            if self.loss_scaler is not None:
+                overflow = not math.isfinite(self._grad_norm)
+                self.loss_scaler.update_scale(overflow)
+                if overflow:
+                    self.counters.skipped_steps += 1
+                    return False
+            if cfg.gradient_clipping > 0:
+                clip_(grads, norm, cfg.gradient_clipping)
+        self.optimizer.step()
+        if parts.masters is not None:
+            parts.masters.copy_to_model()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients (always in place: they live in the communication buckets)."""
+        del set_to_none
+        self._parts.buckets.zero()
+
+    def _report(self, step_seconds: float) -> None:
+        if self.global_rank != 0:
+            return
+        c, every = self.counters, self._config.steps_per_print
+        if every and c.global_steps % every == 0:
+            logger.info("step=%d, skipped=%d, lr=%s, mom=%s", c.global_steps, c.skipped_steps,
+                        self.get_lr(), self.get_mom())
+        if self._profiler is not None and not self._profile_printed:
+            self._profiler.record_step(step_seconds)
+            self._print_profile()
+
+    def _print_profile(self) -> None:
+        from .flops_profiler import render
+
+        fp = self._config.flops_profiler
+        text = render(self._profiler.result(), module_depth=fp.module_depth,
+                      top_modules=fp.top_modules, detailed=fp.detailed)
+        self._profile_printed = True
+        if fp.output_file:
+            Path(fp.output_file).write_text(text + "\n")
+        else:
+            print(text, flush=True)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    @exit_on_usage_error
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False) -> bool:
+        """Save model, optimizer, scheduler, loss scaler, RNG and ``client_state`` atomically.
+
+        Collective: every rank must call it. ``tag`` defaults to ``global_step<N>``.
+        """
+        del save_latest, exclude_frozen_parameters  # latest is always updated, last
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        if "/" in tag or tag.startswith("."):
+            raise UsageError(f"checkpoint tag {tag!r} is not a plain name", where="tag",
+                             hint="use letters, digits, '_' or '-'")
+        parts = self._parts
+        shared = None
+        if self.global_rank == 0:
+            shared = {
+                "module": self.module.state_dict(),
+                "fp32_masters": ({n: m.detach().clone() for n, m in
+                                  zip(parts.names, parts.masters.masters, strict=True)}
+                                 if parts.masters else None),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                "counters": vars(self.counters).copy(),
+                "client_state": dict(client_state or {}),
+            }
+        manifest = ckpt.Manifest(
+            tag=tag, world_size=self.dp_world_size, zero_stage=self.zero_optimization_stage(),
+            param_dtype=str(parts.params[0].dtype if parts.params else torch.float32),
+            master_dtype="torch.float32" if parts.masters else None,
+            global_steps=self.global_steps, deepshard_version=__version__,
+            files=(ckpt.SHARED_FILE, *(ckpt.rank_file(r) for r in range(self.dp_world_size))),
+            created_unix=ckpt.now())
+        ckpt.save(save_dir, manifest, rank=self.global_rank, shared=shared,
+                  own={"rng": ckpt.rng_states()}, barrier=self._barrier)
+        return True
+
+    @exit_on_usage_error
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
+        """Restore a checkpoint; returns ``(path, client_state)``, or ``(None, None)`` when
+        ``load_dir`` holds no complete checkpoint (as DeepSpeed does)."""
+        manifest = ckpt.resolve_tag(load_dir, tag)
+        if manifest is None:
+            logger.warning("no complete checkpoint in %s: starting from scratch", load_dir)
+            return None, None
+        path = Path(load_dir) / manifest.tag
+        shared = ckpt.load_file(path, ckpt.SHARED_FILE)
+        self.module.load_state_dict(shared["module"], strict=load_module_strict)
+        parts = self._parts
+        if parts.masters is not None:
+            masters = shared.get("fp32_masters")
+            if masters:
+                with torch.no_grad():
+                    for name, m in zip(parts.names, parts.masters.masters, strict=True):
+                        m.copy_(masters[name])
+            else:
+                parts.masters.load_from_model()
+        if not load_module_only:
+            if load_optimizer_states and self.optimizer and shared["optimizer"]:
+                self.optimizer.load_state_dict(shared["optimizer"])
+            if load_lr_scheduler_states and self.lr_scheduler and shared["lr_scheduler"]:
+                self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+            if self.loss_scaler and shared["loss_scaler"]:
+                self.loss_scaler.load_state_dict(shared["loss_scaler"])
+            self.counters = Counters(**shared["counters"])
+            own_file = path / ckpt.rank_file(self.global_rank)
+            if own_file.exists():
+                ckpt.set_rng_states(ckpt.load_file(path, own_file.name)["rng"])
+        parts.buckets.zero()
+        self._barrier()
+        return str(path), shared["client_state"]
+
+    def _barrier(self) -> None:
+        if self.dp_world_size > 1:
+            dist.barrier(group=self._parts.group)
+
+
+def _to_half(x):
+    return x.half() if torch.is_tensor(x) and torch.is_floating_point(x) else x
