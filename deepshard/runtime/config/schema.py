@@ -1,0 +1,269 @@
+"""The typed config tree: DeepSpeed's keys, DeepSpeed's defaults, one-line errors.
+
+Attribute names are DeepSpeed's key names (``cfg.fp16.initial_scale_power``); every model is
+frozen. :func:`validate_config` is the one entry point from a raw mapping: it returns the
+config and the dotted paths of keys DeepSpeed knows that deepshard ignores. Batch-size
+arithmetic and "auto" values are resolved before and after it, in ``resolve.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AliasChoices, ValidationInfo, model_validator
+
+from deepshard.errors import UsageError
+from deepshard.runtime.config.schema_base import (
+    Bool,
+    Int,
+    KeyLog,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Section,
+    doc,
+    key_log,
+    one_of,
+)
+from deepshard.runtime.config.schema_optim import OptimizerConfig, SchedulerConfig
+from deepshard.runtime.config.schema_zero import ZeroConfig
+
+
+class FP16Config(Section):
+    """``fp16``: fp16 mixed precision with (by default dynamic) loss scaling."""
+
+    ds_only_keys: ClassVar[frozenset[str]] = frozenset({"fp16_master_weights_and_grads"})
+
+    enabled: Bool = doc("Train in fp16 mixed precision.", default=False)
+    auto_cast: Bool = doc("Cast the model's floating-point inputs to fp16.", default=False)
+    loss_scale: NonNegFloat = doc("Static loss scale; 0 selects dynamic loss scaling.",
+                                  default=0.0)
+    initial_scale_power: Int = doc("Dynamic scaling starts at 2**initial_scale_power.",
+                                   default=16)
+    loss_scale_window: Int = doc("Steps without overflow before the dynamic scale is "
+                                 "raised.", default=1000)
+    hysteresis: Int = doc("Overflows tolerated before the dynamic scale is lowered.",
+                          default=2)
+    consecutive_hysteresis: Bool = doc("Refill the hysteresis after every step without "
+                                       "overflow.", default=False)
+    min_loss_scale: NonNegFloat = doc("Lower bound of the dynamic loss scale.", default=1.0)
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_bounds(self, info: ValidationInfo) -> FP16Config:
+        log = key_log(info) or KeyLog()
+        if self.enabled and self.loss_scale == 0:
+            if self.loss_scale_window <= 0:
+                raise UsageError(f"expected a positive integer, got {self.loss_scale_window}",
+                                 where=log.where("loss_scale_window"),
+                                 hint="dynamic loss scaling (loss_scale 0) needs a window "
+                                      "of at least 1 step")
+            if self.min_loss_scale <= 0:
+                raise UsageError(f"expected a positive number, got {self.min_loss_scale}",
+                                 where=log.where("min_loss_scale"),
+                                 hint="dynamic loss scaling needs a positive floor, e.g. 1")
+        return self
+
+
+class BF16Config(Section):
+    """``bf16`` (alias ``bfloat16``): bf16 mixed precision, no loss scaling."""
+
+    ds_only_keys: ClassVar[frozenset[str]] = frozenset({
+        "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+        "bf16_optimizer_states"})
+
+    enabled: Bool = doc("Train in bf16 mixed precision.", default=False)
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: options of DeepSpeed's activation checkpointing API."""
+
+    partition_activations: Bool = doc("Shard checkpointed activations across model-parallel "
+                                      "ranks.", default=False)
+    contiguous_memory_optimization: Bool = doc("Copy checkpointed activations into one "
+                                               "contiguous buffer.", default=False)
+    cpu_checkpointing: Bool = doc("Keep checkpointed activations in CPU memory.",
+                                  default=False)
+    number_checkpoints: NonNegInt | None = doc(
+        "Number of checkpoints, to size the contiguous buffer; None: unknown.", default=None)
+    synchronize_checkpoint_boundary: Bool = doc("Synchronize the device at each checkpoint "
+                                                "boundary.", default=False)
+    profile: Bool = doc("Time the checkpointed forward and recompute passes.", default=False)
+
+    @classmethod
+    def prepare(cls, data: dict[str, Any], log: KeyLog) -> dict[str, Any]:
+        if data.get("number_checkpoints") is False:  # seen in the wild; DeepSpeed takes it
+            data = {**data, "number_checkpoints": None}
+        return data
+
+
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: count FLOPs and time modules at one step."""
+
+    enabled: Bool = doc("Profile one training step.", default=False)
+    recompute_fwd_factor: NonNegFloat = doc("Extra forward passes per step from activation "
+                                            "recomputation (0 to 1).", default=0.0)
+    profile_step: PosInt = doc("The step to profile.", default=1)
+    module_depth: Int = doc("Depth of modules to report; -1: all.", default=-1)
+    top_modules: PosInt = doc("Number of top modules to list in the aggregated report.",
+                              default=1)
+    detailed: Bool = doc("Print the per-module breakdown.", default=True)
+    output_file: str | None = doc("File to write the report to; None: the log.",
+                                  default=None)
+
+
+class ParallelWriteConfig(Section):
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: Bool = doc("Each pipeline stage writes its own checkpoint files.",
+                               default=False)
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: DeepSpeed's checkpoint options, plus deepshard's resume policy."""
+
+    ds_only_keys: ClassVar[frozenset[str]] = frozenset({"checkpoint_serialization", "writer"})
+
+    tag_validation: Annotated[Literal["Ignore", "Warn", "Fail"],
+                              one_of("Ignore", "Warn", "Fail", case_insensitive=True)] = doc(
+        "What to do when ranks save under different tags: Ignore, Warn or Fail (any letter "
+        "case).", default="Warn")
+    load_universal: Bool = doc("Load a universal (world-size independent) checkpoint.",
+                               default=False)
+    use_node_local_storage: Bool = doc("Each node writes to its own storage (one rank per "
+                                       "node saves the shared files).", default=False)
+    parallel_write: ParallelWriteConfig = doc("Parallel checkpoint writing options.",
+                                              default_factory=ParallelWriteConfig)
+    resume_dir: str | None = doc(
+        "deepshard: a checkpoint directory from which initialize() loads the latest complete "
+        "tag; None: no automatic resume.", default=None)
+    resume: Annotated[Literal["on_restart", "always", "never"],
+                      one_of("on_restart", "always", "never")] = doc(
+        "deepshard: when to resume from resume_dir: 'on_restart' (only when the launcher "
+        "restarted the job, DEEPSHARD_RESTART_COUNT > 0), 'always' or 'never'.",
+        default="on_restart")
+
+
+CommDtype = Annotated[Literal["fp32", "fp16", "bf16"],
+                      one_of("fp32", "fp16", "bf16", case_insensitive=True)]
+
+
+class DeepShardConfig(Section):
+    """The whole config (DeepSpeed's ``ds_config.json``), validated.
+
+    The batch triad is ``None`` where the file leaves it out; :func:`load_config` returns it
+    resolved to three ints consistent with the world size.
+    """
+
+    ds_only_keys: ClassVar[frozenset[str]] = frozenset({
+        "wall_clock_breakdown", "memory_breakdown", "dump_state", "disable_allgather",
+        "disable_python_gc", "dataloader_drop_last", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
+        "use_data_before_expert_parallelism", "sequence_parallel_size", "allgather_size",
+        "data_types", "torch_autocast", "aio", "tensorboard", "wandb", "csv_monitor", "comet",
+        "comms_logger", "autotuning", "data_efficiency", "compile", "timers",
+        "tensor_parallel", "expert_parallel", "pipeline", "hybrid_engine",
+        "weight_quantization", "datastates_ckpt",
+        # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
+        "amp", "nebula", "compression_training", "quantize_training", "sparse_gradients",
+        "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting",
+        "curriculum_learning", "progressive_layer_drop",
+    })
+
+    train_batch_size: PosInt | None = doc(
+        "Samples per optimizer step over all data-parallel ranks (= micro batch * "
+        "accumulation steps * data-parallel size).", default=None)
+    train_micro_batch_size_per_gpu: PosInt | None = doc(
+        "Samples per forward/backward pass on one rank.", default=None)
+    gradient_accumulation_steps: PosInt | None = doc(
+        "Micro batches accumulated per optimizer step.", default=None)
+    steps_per_print: PosInt | None = doc(
+        "Log progress every this many steps; None: never (DeepSpeed 0.19's default).",
+        default=None)
+    gradient_clipping: NonNegFloat = doc(
+        "Clip the global gradient norm to this value; 0: no clipping (DeepSpeed 0.19's "
+        "default is 1.0).", default=1.0)
+    prescale_gradients: Bool = doc("Divide gradients by the data-parallel size before the "
+                                   "all-reduce rather than after.", default=False)
+    gradient_predivide_factor: PosFloat = doc("Divide gradients by this factor before the "
+                                              "all-reduce and the rest after.", default=1.0)
+    communication_data_type: CommDtype | None = doc(
+        "dtype of gradient collectives: 'fp32', 'fp16' or 'bf16'; None: the training "
+        "dtype.", default=None)
+    optimizer: OptimizerConfig | None = doc("The optimizer the engine builds; None: the "
+                                            "caller passes one.", default=None)
+    scheduler: SchedulerConfig | None = doc("The LR schedule the engine builds; None: the "
+                                            "caller passes one, or none.", default=None)
+    fp16: FP16Config = doc("fp16 mixed precision.", default_factory=FP16Config)
+    bf16: BF16Config = doc("bf16 mixed precision (the key may also be spelled 'bfloat16').",
+                           default_factory=BF16Config,
+                           validation_alias=AliasChoices("bf16", "bfloat16"))
+    zero_optimization: ZeroConfig = doc("ZeRO stage and its options.",
+                                        default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = doc(
+        "Activation checkpointing options.", default_factory=ActivationCheckpointingConfig)
+    flops_profiler: FlopsProfilerConfig = doc("FLOPs profiler options.",
+                                              default_factory=FlopsProfilerConfig)
+    checkpoint: CheckpointConfig = doc("Checkpoint options and deepshard's resume policy.",
+                                       default_factory=CheckpointConfig)
+
+    @classmethod
+    def prepare(cls, data: dict[str, Any], log: KeyLog) -> dict[str, Any]:
+        if "bf16" in data and "bfloat16" in data:
+            raise UsageError("both bf16 and its old spelling bfloat16 are given",
+                             where=log.where("bfloat16"), hint="keep only bf16")
+        return data
+
+    @model_validator(mode="after")
+    def _one_half_precision(self, info: ValidationInfo) -> DeepShardConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            log = key_log(info) or KeyLog()
+            raise UsageError("fp16 and bf16 are both enabled", where=log.where("bf16.enabled"),
+                             hint="enable at most one of fp16.enabled and bf16.enabled")
+        return self
+
+
+def validate_config(data: dict[str, Any], *, origin: str = "<dict>"
+                    ) -> tuple[DeepShardConfig, tuple[str, ...]]:
+    """Validate a raw config mapping.
+
+    Returns:
+        ``(config, unimplemented)``: the config, and the dotted paths of keys DeepSpeed knows
+        that deepshard ignores (for one warning).
+
+    Raises:
+        UsageError: an unknown key (with "did you mean"), a wrong type or value, or settings
+            that contradict each other; ``where`` is ``<origin>: key.path``.
+    """
+    log = KeyLog(origin=origin)
+    config = DeepShardConfig.model_validate(data, context={"keys": log})
+    return config, tuple(log.unimplemented)
+
+
+def find_auto_keys(data: Any, section: type[Section] = DeepShardConfig,
+                   prefix: tuple[str, ...] = ()) -> list[str]:
+    """Dotted paths of the keys of ``data`` whose value is the string "auto", along the
+    schema: keys deepshard ignores (and unknown keys) are skipped."""
+    if not isinstance(data, dict):
+        return []
+    found = []
+    known = section.known_keys()
+    for key, value in data.items():
+        if key not in known:
+            continue
+        path = (*prefix, str(key))
+        if isinstance(value, str) and value == "auto":
+            found.append(".".join(path))
+            continue
+        child = section.section_of(key, data)
+        if child is not None:
+            found.extend(find_auto_keys(value, child, path))
+    return found
+
+
+__all__ = [
+    "ActivationCheckpointingConfig", "BF16Config", "CheckpointConfig", "DeepShardConfig",
+    "FP16Config", "FlopsProfilerConfig", "ParallelWriteConfig", "find_auto_keys",
+    "validate_config",
+]
