@@ -1,0 +1,188 @@
+"""``build_optimizer``: a DeepSpeed ``optimizer`` config section onto torch optimizers.
+
+DeepSpeed maps ``Adam``/``AdamW`` onto its own ``FusedAdam`` and ``LAMB`` onto ``FusedLamb``.
+Here ``Adam``/``AdamW`` become torch's AdamW or Adam (fused kernels where torch has them: on CPU
+the fused AdamW is several times faster than the foreach one), ``SGD`` torch's SGD, and
+``LAMB`` our :class:`~deepshard.runtime.optim.lamb.Lamb`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ...errors import UsageError
+from .lamb import Lamb
+
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# DeepSpeed's defaults (FusedAdam's, torch SGD's, FusedLamb's) for keys a config leaves out.
+_ADAM_DEFAULTS: Mapping[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "bias_correction": True,
+    "amsgrad": False,
+    "adam_w_mode": True,
+    "torch_adam": False,
+}
+_SGD_DEFAULTS: Mapping[str, Any] = {
+    "lr": 1e-3,
+    "momentum": 0.0,
+    "dampening": 0.0,
+    "weight_decay": 0.0,
+    "nesterov": False,
+}
+_LAMB_DEFAULTS: Mapping[str, Any] = {
+    "lr": 1e-3,
+    "bias_correction": True,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "eps_inside_sqrt": False,
+    "weight_decay": 0.0,
+    "max_grad_norm": 0.0,
+    "max_coeff": 10.0,
+    "min_coeff": 0.01,
+    "amsgrad": False,
+}
+
+ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+
+
+def build_optimizer(
+    type_name: str, params: Mapping[str, object], model_parameters: ParamsT
+) -> torch.optim.Optimizer:
+    """Build the optimizer a DeepSpeed config's ``optimizer`` section names.
+
+    ``Adam`` is decoupled-weight-decay AdamW unless ``adam_w_mode`` is false (then L2 decay,
+    torch's Adam), as in DeepSpeed; ``AdamW`` is always AdamW. ``torch_adam`` changes nothing,
+    both are torch's. Parameters all on CPU or CUDA with float dtypes get torch's fused kernel.
+
+    Args:
+        type_name: ``Adam``, ``AdamW``, ``SGD`` or ``LAMB`` (canonical spelling).
+        params: the section's ``params``; keys left out take DeepSpeed's defaults.
+        model_parameters: tensors, or param-group dicts as torch optimizers accept them.
+
+    Raises:
+        UsageError: an unknown type or parameter, a setting torch cannot express
+            (``bias_correction: false`` for Adam, ``amsgrad`` for LAMB), or a value the
+            optimizer rejects; with the config key path.
+        ValueError: ``model_parameters`` is empty.
+    """
+    builder = _BUILDERS.get(type_name)
+    if builder is None:
+        raise UsageError(
+            f"unknown optimizer type {type_name!r}",
+            where="optimizer.type",
+            hint=f"use one of {', '.join(_BUILDERS)}",
+        )
+    groups = _materialise(model_parameters)
+    if not _all_tensors(groups):
+        raise ValueError("model_parameters holds no parameters to optimise")
+    try:
+        return builder(type_name, params, groups)
+    except ValueError as err:
+        raise UsageError(f"{type_name}: {err}", where="optimizer.params") from err
+
+
+def _materialise(model_parameters: ParamsT) -> list[Any]:
+    """A list of tensors or of group dicts (each with a list of params), read once."""
+    items = list(model_parameters)
+    return [
+        {**item, "params": _as_list(item["params"])} if isinstance(item, dict) else item
+        for item in items
+    ]
+
+
+def _as_list(params: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _all_tensors(groups: list[Any]) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    for item in groups:
+        tensors.extend(item["params"] if isinstance(item, dict) else [item])
+    return tensors
+
+
+def _fusable(groups: list[Any]) -> bool:
+    """Whether torch's fused Adam kernels take every parameter (plain dense float tensors)."""
+    tensors = _all_tensors(groups)
+    return bool(tensors) and all(
+        type(t.data) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type in _FUSED_DEVICES
+        and t.dtype in _FUSED_DTYPES
+        for t in tensors
+    )
+
+
+def _settings(type_name: str, params: Mapping[str, object], defaults: Mapping[str, Any]) -> dict:
+    """``params`` over ``defaults``, refusing keys the optimizer does not have."""
+    for key in params:
+        if key not in defaults:
+            raise UsageError(
+                f"{type_name} has no parameter {key!r}",
+                where=f"optimizer.params.{key}",
+                hint=f"{type_name} accepts {', '.join(sorted(defaults))}",
+            )
+    return {**defaults, **params}
+
+
+def _adam(type_name: str, params: Mapping[str, object], groups: list[Any]) -> torch.optim.Optimizer:
+    s = _settings(type_name, params, _ADAM_DEFAULTS)
+    if not s["bias_correction"]:
+        raise UsageError(
+            "bias_correction: false is not supported; torch's Adam always corrects the bias",
+            where="optimizer.params.bias_correction",
+            hint="remove bias_correction (true is the default)",
+        )
+    decoupled = type_name == "AdamW" or bool(s["adam_w_mode"])
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    extra = {"fused": True} if _fusable(groups) else {}
+    return cls(
+        groups,
+        lr=s["lr"],
+        betas=tuple(s["betas"]),
+        eps=s["eps"],
+        weight_decay=s["weight_decay"],
+        amsgrad=bool(s["amsgrad"]),
+        **extra,
+    )
+
+
+def _sgd(type_name: str, params: Mapping[str, object], groups: list[Any]) -> torch.optim.Optimizer:
+    s = _settings(type_name, params, _SGD_DEFAULTS)
+    return torch.optim.SGD(
+        groups,
+        lr=s["lr"],
+        momentum=s["momentum"],
+        dampening=s["dampening"],
+        weight_decay=s["weight_decay"],
+        nesterov=bool(s["nesterov"]),
+    )
+
+
+def _lamb(type_name: str, params: Mapping[str, object], groups: list[Any]) -> torch.optim.Optimizer:
+    s = _settings(type_name, params, _LAMB_DEFAULTS)
+    if s["amsgrad"]:
+        raise UsageError(
+            "LAMB has no amsgrad variant",
+            where="optimizer.params.amsgrad",
+            hint="remove amsgrad, or use Adam",
+        )
+    del s["amsgrad"]
+    s["betas"] = tuple(s["betas"])
+    return Lamb(groups, **s)
+
+
+_BUILDERS: Mapping[str, Callable[[str, Mapping[str, object], list[Any]], torch.optim.Optimizer]] = {
+    "Adam": _adam,
+    "AdamW": _adam,
+    "SGD": _sgd,
+    "LAMB": _lamb,
+}
