@@ -126,8 +126,8 @@ def test_restarted_job_resumes_by_itself(tmp_path):
     ckdir = tmp_path / "ckpt"
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
                        checkpoint={"resume_dir": str(ckdir)})
-    args = (TRAIN, "--deepspeed_config", cfg, *TINY_ARGS, "--steps", "6")
-    whole = run_ds("--num_gpus", "2", *args, timeout=300)
+    args = ("--deepspeed_config", cfg, *TINY_ARGS, "--steps", "6")
+    whole = run_ds("--num_gpus", "2", TRAIN, *args, timeout=300)
     assert whole.returncode == 0, whole.stderr[-3000:]
     crashed = run_ds("--num_gpus", "2", "--max_restarts", "1", PROBE, "crash-at", "4", *args,
                      "--checkpoint_dir", str(ckdir), "--save_interval", "3", timeout=300)
@@ -142,11 +142,11 @@ def test_restarted_job_resumes_by_itself(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_ranks_agree_and_learn(tmp_path, precision):
-    section = ({"enabled": True, "initial_scale_power": 30, "loss_scale_window": 4,
+    section = ({"enabled": True, "initial_scale_power": 20, "loss_scale_window": 4,
                 "hysteresis": 1} if precision == "fp16" else {"enabled": True})
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=4, gradient_clipping=1.0,
                        optimizer=ADAMW, **{precision: section})
-    result = run_ds("--num_gpus", "2", PROBE, "precision", cfg, "12", timeout=300)
+    result = run_ds("--num_gpus", "2", PROBE, "precision", cfg, "16", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = {r: d for r, (_, d) in tagged_json(result.stdout, "RESULT").items()}
     assert sorted(ranks) == [0, 1]
@@ -161,11 +161,12 @@ def test_half_precision_ranks_agree_and_learn(tmp_path, precision):
     assert r0["state_bytes"] == {"params": half, "grads": half,
                                  "optimizer": 8 * n + 4 * k + 8 * n}
     if precision == "fp16":
-        # 2**30 overflows at once; with hysteresis 1 each overflow halves the scale and the
+        # 2**20 overflows at once; with hysteresis 1 each overflow halves the scale and the
         # step is skipped on both ranks alike
         assert r0["skipped"] >= 1 and r0["skipped"] == r1["skipped"]
-        assert r0["scales"][0] < 2.0**30
-        assert r0["global_steps"] == 12
+        assert r0["scales"][0] < 2.0**20
+        assert r0["global_steps"] == 16
+        assert r0["skipped"] < 10
 
 
 def test_state_bytes_fp32(tmp_path):

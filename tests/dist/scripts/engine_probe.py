@@ -46,11 +46,11 @@ def precision(config_path: str, steps: int) -> None:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         scales.append(engine.loss_scale)
     checksum = sum(float(p.double().sum()) for p in engine.module.parameters())
     print("RESULT " + json.dumps({
-        "losses": losses, "scales": scales, "skipped": engine.skipped_steps,
+        "rank": rank, "losses": losses, "scales": scales, "skipped": engine.skipped_steps,
         "global_steps": engine.global_steps, "checksum": checksum,
         "dtype": str(next(engine.module.parameters()).dtype),
         "numel": sum(p.numel() for p in engine.module.parameters()),
