@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 # compat: a plain .pth path entry, no import hook: keeps ds-run's start-up cheap
 EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: install install-test demo test lint bench bench-fanout clean
+.PHONY: install install-test demo test lint bench bench-fanout bench-train clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -28,7 +28,8 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(VENV)/bin/ds-run --num_gpus 2 examples/train.py --steps 30
+	$(VENV)/bin/ds-run --num_gpus 2 examples/train_gpt.py \
+		--deepspeed_config examples/configs/stage0.json --steps 20
 
 lint: install-test
 	$(VENV)/bin/ruff check .
@@ -42,6 +43,9 @@ bench: install
 
 bench-fanout: install
 	$(PY) benchmarks/fanout.py
+
+bench-train: install
+	$(PY) benchmarks/train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import io
 import mmap
 import os
 import signal
 import struct
+import sys
 import time
 
 from . import contract
@@ -32,8 +34,16 @@ Python stack to stderr (its log)."""
 
 
 def register_stack_dump() -> None:
-    """Make :data:`STACK_DUMP_SIGNAL` dump all Python stacks (idempotent)."""
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    """Make :data:`STACK_DUMP_SIGNAL` dump all Python stacks (idempotent).
+
+    The dump goes to ``sys.stderr``, or to the process's real stderr when ``sys.stderr``
+    has been replaced by an object without a file descriptor (a notebook, a test capture).
+    """
+    try:
+        faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__, all_threads=True,
+                              chain=False)
 
 
 class _Beater:

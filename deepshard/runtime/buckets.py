@@ -144,7 +144,8 @@ class GradBuckets:
         """Zero every gradient (in place: the grads stay views into the buckets)."""
         for i, p in enumerate(self.params):
             p.grad = self.views[i]
-        torch._foreach_zero_(self.buffers)
+        if self.buffers:
+            torch._foreach_zero_(self.buffers)
 
     def nbytes(self) -> int:
         """Bytes held in gradient buffers."""

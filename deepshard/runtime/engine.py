@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ class DeepShardEngine(torch.nn.Module):
         self.counters = Counters()
         self.global_rank, self.dp_world_size, self.device = parts.rank, parts.dp_world, parts.device
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._grad_norm: float | None = None
         self._step_applied = False
         self._profiler = None

@@ -202,3 +202,19 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     torch.manual_seed(0)
     with pytest.raises(Exception, match="no complete checkpoint with tag 'bad'"):
         ckpt.resolve_tag(directory, "bad")
+
+
+def test_example_configs_activation_checkpointing_and_profiler(tmp_path):
+    """The shipped accumulation config (triad from train_batch_size, OneCycle, flops profiler
+    at step 2) trains; recomputing blocks in backward gives the very same curve."""
+    cfg = str(ROOT / "examples" / "configs" / "accumulation.json")
+    common = ("--num_gpus", "2", TRAIN, "--deepspeed_config", cfg, *TINY_ARGS, "--steps", "4")
+    plain = run_ds(*common, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    recomputed = run_ds(*common, "--activation_checkpointing", timeout=300)
+    assert recomputed.returncode == 0, recomputed.stderr[-3000:]
+    assert losses_of(plain.stdout) == losses_of(recomputed.stdout)
+    assert len(losses_of(plain.stdout)) == 4
+    assert plain.stdout.count("deepshard flops profiler") == 1
+    assert re.search(r"\[localhost:0\] fwd FLOPs: +\d", plain.stdout)
+    assert "blocks.1 (Block)" in plain.stdout

@@ -1,0 +1,126 @@
+"""deepshard.initialize in one process (a real gloo group of one): the API's contracts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+import deepshard
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2}}
+
+
+@pytest.fixture(autouse=True)
+def _one_process_group(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def test_returns_engine_optimizer_loader_and_scheduler():
+    data = TensorDataset(torch.randn(10, 4), torch.randn(10, 1))
+    config = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "optimizer": ADAMW,
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    engine, opt, loader, sched = deepshard.initialize(model=model(), config=config,
+                                                      training_data=data)
+    assert isinstance(engine, deepshard.DeepShardEngine)
+    assert engine.optimizer is opt and engine.lr_scheduler is sched
+    assert isinstance(opt, torch.optim.AdamW)
+    assert engine.train_batch_size() == 4 and engine.train_micro_batch_size_per_gpu() == 2
+    assert [len(x) for x, _ in loader] == [2, 2, 2, 2, 2]
+    assert engine.get_lr() == [0.0]  # WarmupLR starts at warmup_min_lr
+    assert engine.is_gradient_accumulation_boundary() is False
+
+
+def test_accumulation_scales_the_loss_and_steps_at_the_boundary():
+    net = model()
+    reference = model()
+    engine, opt, _, _ = deepshard.initialize(
+        model=net, config={"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2,
+                           "gradient_clipping": 0, "optimizer": {"type": "SGD",
+                                                                 "params": {"lr": 0.1}}})
+    assert engine.gradient_accumulation_steps() == 3
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    before = [p.detach().clone() for p in net.parameters()]
+    for i in range(3):
+        loss = torch.nn.functional.mse_loss(engine(x[2 * i:2 * i + 2]), y[2 * i:2 * i + 2])
+        engine.backward(loss)
+        if i < 2:
+            engine.step()
+            assert engine.global_steps == 0
+            assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
+    engine.step()
+    assert engine.global_steps == 1 and engine.micro_steps == 3
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    for got, want in zip(net.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert all(float(p.grad.abs().sum()) == 0 for p in net.parameters())  # zeroed after step
+
+
+def test_client_optimizer_steps_fp32_masters_under_bf16():
+    net = model()
+    client = torch.optim.SGD(net.parameters(), lr=0.5)
+    engine, opt, _, _ = deepshard.initialize(
+        model=net, optimizer=client, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(
+            o, step_size=1, gamma=0.5),
+        config={"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}})
+    assert opt is client
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    loss = engine(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    assert engine.get_lr() == [0.25]
+    masters = opt.param_groups[0]["params"]
+    for p, m in zip(engine.module.parameters(), masters, strict=True):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"config": {"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW},
+      "optimizer": "client"}, "optimizer: an optimizer is given both in the config"),
+    ({"config": {"train_micro_batch_size_per_gpu": 1}, "args": "with-config"},
+     "a config was given both as --deepspeed_config and as config="),
+    ({}, "no DeepSpeed config given"),
+    ({"config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}},
+     "zero_optimization.stage: ZeRO stage 3 is not implemented yet"),
+])
+def test_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, kwargs, fragment):
+    net = model()
+    if kwargs.get("optimizer") == "client":
+        kwargs["optimizer"] = torch.optim.SGD(net.parameters(), lr=0.1)
+    if kwargs.get("args") == "with-config":
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+        kwargs["args"] = argparse.Namespace(deepspeed_config=str(path))
+    with pytest.raises(SystemExit) as exc:
+        deepshard.initialize(model=net, **kwargs)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deepshard: error: ") and fragment in err[0]
+
+
+def test_args_config_file_and_add_config_arguments(tmp_path):
+    path = tmp_path / "ds.yaml"
+    path.write_text("train_micro_batch_size_per_gpu: 3\noptimizer:\n  type: SGD\n"
+                    "  params: {lr: 0.1}\n")
+    parser = deepshard.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    engine, opt, _, _ = deepshard.initialize(args=args, model=model(),
+                                             model_parameters=model().parameters())
+    assert engine.train_batch_size() == 3 and isinstance(opt, torch.optim.SGD)
