@@ -1,0 +1,356 @@
+"""Training step time and peak memory per rank: deepshard against DDP and DeepSpeed, on CPU.
+
+Every peer trains the same model on the same batches: the reference GPT of
+``examples/gpt.py`` (27.4M parameters, fp32), 2 ranks on this machine with one thread
+each, micro-batch 4 per rank, sequence 128, no gradient accumulation, AdamW (lr 1e-4,
+weight decay 0.01). Each peer runs as 2 fresh worker processes (this script with
+``--worker``), one peer after another; a worker does ``--warmup`` steps, then ``--steps``
+timed steps with a barrier before and after each, and reports its step times and its peak
+RSS as one JSON line. The table gives rank 0's median step time and the ratio to DDP.
+
+    python benchmarks/train.py [--steps 10] [--warmup 3] [--peers ddp,deepspeed]
+
+Peers:
+    deepshard             deepshard.initialize, ZeRO stage 0
+    ddp                   torch DistributedDataParallel (gloo), torch.optim.AdamW as users
+                          write it (on CPU that is the per-tensor for-loop implementation)
+    ddp-fused             the same with AdamW(fused=True), to show the optimizer's share
+    deepspeed             deepspeed.initialize, ZeRO stage 0, the optimizer DeepSpeed picks
+                          for "AdamW" (on CPU: its FusedAdam C++ op)
+    deepspeed-torch-adam  the same with "torch_adam": true (torch.optim.AdamW)
+
+DeepSpeed 0.19.8 clips gradients to norm 1.0 unless ``gradient_clipping`` says otherwise,
+and deepshard follows it; the DDP peers do not clip (as users write them), so their losses
+drift slightly from the engines' after the first step while the engines agree.
+
+The DeepSpeed peers run with another interpreter (``--deepspeed-python``, default
+/tmp/dsvenv/bin/python): one where ``import deepspeed`` works, with the same torch. They are
+skipped, with the reason, when it cannot import deepspeed. Workers are started directly
+with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (no launcher), so launch cost is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULT_TAG = "BENCH_RESULT "
+WORLD = 2
+MICRO_BATCH = 4
+SEED = 1234
+OPTIMIZER_PARAMS = {"lr": 1e-4, "weight_decay": 0.01}
+DS_CONFIG = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+             "optimizer": {"type": "AdamW", "params": OPTIMIZER_PARAMS},
+             "zero_optimization": {"stage": 0}}
+DEFAULT_DS_PYTHON = "/tmp/dsvenv/bin/python"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One row of the table: a library and how it is set up."""
+
+    name: str
+    runtime: str
+    """``deepshard``, ``ddp`` or ``deepspeed``: which library the worker trains with."""
+    note: str
+    fused: bool = False
+    torch_adam: bool = False
+
+    @property
+    def foreign(self) -> bool:
+        """Runs with the DeepSpeed interpreter."""
+        return self.runtime == "deepspeed"
+
+
+PEERS = {p.name: p for p in (
+    Peer("deepshard", "deepshard", "stage 0, clip 1.0 (default)"),
+    Peer("ddp", "ddp", "gloo, AdamW default"),
+    Peer("ddp-fused", "ddp", "gloo, AdamW(fused=True)", fused=True),
+    Peer("deepspeed", "deepspeed", "stage 0, clip 1.0 (default), DeepSpeed's optimizer"),
+    Peer("deepspeed-torch-adam", "deepspeed", "stage 0, clip 1.0 (default), torch_adam",
+         torch_adam=True),
+)}
+
+
+# ---------------------------------------------------------------- worker (one rank)
+
+def worker(peer: Peer, steps: int, warmup: int) -> None:
+    """Train as one rank of ``peer`` and print the result line (imports only what it needs)."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig())
+    params = sum(p.numel() for p in model.parameters())
+    train_step, optimizer = _build(peer, model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus, seq_len = gpt.stdlib_corpus(), model.cfg.seq_len
+    times, losses = [], []
+    for step in range(warmup + steps):
+        indices = gpt.rank_indices(step, 0, rank, world, MICRO_BATCH, 1)
+        x, y = gpt.sample_batch(corpus, indices, SEED, seq_len)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = train_step(x, y)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    result = {"peer": peer.name, "rank": rank, "step_s": times[warmup:], "params": params,
+              "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+              "optimizer": optimizer, "losses": losses, "torch": torch.__version__,
+              "backend": dist.get_backend()}
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def _build(peer: Peer, model):
+    """(one training step returning the loss, optimizer class name) for ``peer``."""
+    if peer.runtime == "ddp":
+        return _build_ddp(model, fused=peer.fused)
+    if peer.runtime == "deepshard":
+        import deepshard as library
+        config = DS_CONFIG
+    else:
+        import deepspeed as library
+        params = {**OPTIMIZER_PARAMS, "torch_adam": True} if peer.torch_adam else OPTIMIZER_PARAMS
+        config = {**DS_CONFIG, "optimizer": {"type": "AdamW", "params": params}}
+    library.init_distributed()
+    engine, optimizer, _, _ = library.initialize(model=model, model_parameters=model.parameters(),
+                                                 config=config)
+
+    def train_step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return train_step, _optimizer_label(getattr(optimizer, "optimizer", optimizer))
+
+
+def _build_ddp(model, *, fused: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), **OPTIMIZER_PARAMS,
+                                  **({"fused": True} if fused else {}))
+
+    def train_step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = ddp(x, y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return train_step, _optimizer_label(optimizer)
+
+
+def _optimizer_label(optimizer) -> str:
+    """The class name, and which torch implementation when it is torch's."""
+    defaults = getattr(optimizer, "defaults", {})
+    kind = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else ""
+    return f"{type(optimizer).__name__}({kind})" if kind else type(optimizer).__name__
+
+
+# ---------------------------------------------------------------- parent (the table)
+
+@dataclass(frozen=True)
+class Outcome:
+    peer: Peer
+    ranks: tuple[dict, ...] = ()
+    """Each rank's result line, by rank; empty when the peer did not run."""
+    why_not: str = ""
+    """``skipped: <reason>`` or ``failed: <reason>`` when the peer has no result."""
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.ranks[0]["step_s"])
+
+
+def run_peer(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
+    """Start the peer's ranks, wait for them, and collect their result lines.
+
+    When one rank fails the others are killed at once (they would wait at a barrier).
+    """
+    from deepshard.launcher.cli import free_port
+
+    port = free_port("127.0.0.1")
+    with tempfile.TemporaryDirectory(prefix=f"bench-{peer.name}-") as tmp:
+        procs = [_start_rank(peer, python, rank, port, args, Path(tmp)) for rank in range(WORLD)]
+        deadline = time.monotonic() + args.timeout
+        while True:
+            codes = [p.poll() for p in procs]  # every one, to see each exit
+            done = all(code == 0 for code in codes)
+            failed = any(code not in (None, 0) for code in codes)
+            if done or failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        if not (done or failed):
+            return Outcome(peer, why_not=f"failed: timed out after {args.timeout:.0f} s")
+        return _collect(peer, procs, Path(tmp))
+
+
+def _start_rank(peer: Peer, python: str, rank: int, port: int, args: argparse.Namespace,
+                tmp: Path) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if peer.foreign:
+        env["DS_ACCELERATOR"] = "cpu"
+    argv = [python, str(Path(__file__).resolve()), "--worker", peer.name,
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    with open(tmp / f"{rank}.out", "w") as out, open(tmp / f"{rank}.err", "w") as err:
+        return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL)
+
+
+def _collect(peer: Peer, procs: list[subprocess.Popen], tmp: Path) -> Outcome:
+    # the rank that failed first, not one we killed for it
+    failed = sorted((p.returncode == -signal.SIGKILL, rank)
+                    for rank, p in enumerate(procs) if p.returncode != 0)
+    if failed:
+        rank = failed[0][1]
+        err = (tmp / f"{rank}.err").read_text(errors="replace").strip().splitlines()
+        return Outcome(peer, why_not=f"failed: rank {rank} exited {procs[rank].returncode}: "
+                                     + " | ".join(err[-3:]))
+    ranks = []
+    for rank in range(len(procs)):
+        out = (tmp / f"{rank}.out").read_text(errors="replace").splitlines()
+        lines = [line for line in out if line.startswith(RESULT_TAG)]
+        if not lines:
+            return Outcome(peer, why_not=f"failed: rank {rank} exited without a result line")
+        ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    return Outcome(peer, tuple(ranks))
+
+
+def deepspeed_version(python: str) -> tuple[str | None, str]:
+    """(``deepspeed x / torch y``, "") when ``python`` can import deepspeed, else (None, why)."""
+    if not Path(python).exists():
+        return None, f"{python} not found (--deepspeed-python)"
+    probe = subprocess.run(
+        [python, "-c", "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        return None, f"{python} cannot import deepspeed: {probe.stderr.strip().splitlines()[-1]}"
+    ds, torch_version = probe.stdout.split()[-2:]
+    return f"deepspeed {ds}, torch {torch_version}", ""
+
+
+def deepshard_missing() -> str:
+    """Why the deepshard peer cannot run here, or ""."""
+    try:
+        from deepshard import initialize  # noqa: F401
+    except (ImportError, AttributeError) as error:
+        return f"deepshard.initialize is not available: {error}"
+    return ""
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.machine()
+
+
+def table(outcomes: list[Outcome]) -> list[str]:
+    ran = {o.peer.name: o for o in outcomes if o.ranks}
+    baseline = ran["ddp"].median_s if "ddp" in ran else None
+    lines = ["| peer | s/step (median) | vs DDP | peak RSS rank0 / rank1 (MiB) | params | notes |",
+             "|---|---:|---:|---:|---:|---|"]
+    for o in outcomes:
+        if not o.ranks:
+            lines.append(f"| {o.peer.name} | - | - | - | - | {o.why_not} |")
+            continue
+        first = o.ranks[0]
+        ratio = f"{o.median_s / baseline:.2f}" if baseline else "-"
+        rss = " / ".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in o.ranks)
+        note = (f"{o.peer.note}; optimizer {first['optimizer']}, {first['backend']}; "
+                f"min {min(first['step_s']):.3f} max {max(first['step_s']):.3f} s; "
+                f"last loss {first['losses'][-1]:.4f}")
+        lines.append(f"| {o.peer.name} | {o.median_s:.3f} | {ratio} | {rss} | "
+                     f"{first['params'] / 1e6:.1f}M | {note} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated subset of {', '.join(PEERS)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per peer")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
+                        help="interpreter that can import deepspeed")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per peer")
+    parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    parser.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(PEERS[args.worker], args.steps, args.warmup)
+        return
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        parser.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+
+    ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
+    outcomes = []
+    for name in names:
+        peer = PEERS[name]
+        missing = ds_missing if peer.foreign else deepshard_missing() if name == "deepshard" else ""
+        if missing:
+            print(f"skipping {name}: {missing}", file=sys.stderr)
+            outcomes.append(Outcome(peer, why_not=f"skipped: {missing}"))
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        outcome = run_peer(peer, args.deepspeed_python if peer.foreign else sys.executable, args)
+        if outcome.why_not:
+            print(f"{name} {outcome.why_not}", file=sys.stderr)
+        outcomes.append(outcome)
+
+    print_report(args, outcomes, ds_label)
+
+
+def print_report(args: argparse.Namespace, outcomes: list[Outcome], ds_label: str | None) -> None:
+    import torch
+
+    print(f"GPT reference size (examples/gpt.py GPTConfig()), fp32, {WORLD} ranks on CPU, "
+          f"1 thread each, micro-batch {MICRO_BATCH}/rank, seq 128, gas 1, AdamW lr 1e-4 wd 0.01; "
+          f"median of {args.steps} steps after {args.warmup} warm-up, barrier before and after "
+          f"each step; rank 0's times")
+    print(f"{platform.node()}, {os.cpu_count()} cores ({cpu_model()}), "
+          f"Python {platform.python_version()}, torch {torch.__version__}"
+          + (f"; DeepSpeed peers: {ds_label} ({args.deepspeed_python})" if ds_label else ""))
+    print()
+    print("\n".join(table(outcomes)))
+    if args.json:
+        args.json.write_text(json.dumps([{"peer": o.peer.name, "ranks": o.ranks,
+                                          "skipped": o.why_not} for o in outcomes], indent=1))
+
+if __name__ == "__main__":
+    main()
