@@ -19,9 +19,13 @@ Peers:
                           for "AdamW" (on CPU: its FusedAdam C++ op)
     deepspeed-torch-adam  the same with "torch_adam": true (torch.optim.AdamW)
 
-DeepSpeed 0.19.8 clips gradients to norm 1.0 unless ``gradient_clipping`` says otherwise,
-and deepshard follows it; the DDP peers do not clip (as users write them), so their losses
-drift slightly from the engines' after the first step while the engines agree.
+DeepSpeed 0.19.8 clips gradients to norm 1.0 unless ``gradient_clipping`` says otherwise
+(and deepshard follows it); the config here sets it to 0, so that every peer does the same
+work as DDP, which does not clip, and all peers print the same losses.
+
+The machine's noise (another process, frequency changes) is a few percent; ``--rounds R``
+runs the whole peer list R times, in rotated order, and each peer's median is over the
+timed steps of all its rounds.
 
 The DeepSpeed peers run with another interpreter (``--deepspeed-python``, default
 /tmp/dsvenv/bin/python): one where ``import deepspeed`` works, with the same torch. They are
@@ -54,7 +58,7 @@ SEED = 1234
 OPTIMIZER_PARAMS = {"lr": 1e-4, "weight_decay": 0.01}
 DS_CONFIG = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
              "optimizer": {"type": "AdamW", "params": OPTIMIZER_PARAMS},
-             "zero_optimization": {"stage": 0}}
+             "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0}
 DEFAULT_DS_PYTHON = "/tmp/dsvenv/bin/python"
 
 
@@ -76,11 +80,11 @@ class Peer:
 
 
 PEERS = {p.name: p for p in (
-    Peer("deepshard", "deepshard", "stage 0, clip 1.0 (default)"),
+    Peer("deepshard", "deepshard", "stage 0"),
     Peer("ddp", "ddp", "gloo, AdamW default"),
     Peer("ddp-fused", "ddp", "gloo, AdamW(fused=True)", fused=True),
-    Peer("deepspeed", "deepspeed", "stage 0, clip 1.0 (default), DeepSpeed's optimizer"),
-    Peer("deepspeed-torch-adam", "deepspeed", "stage 0, clip 1.0 (default), torch_adam",
+    Peer("deepspeed", "deepspeed", "stage 0, DeepSpeed's optimizer"),
+    Peer("deepspeed-torch-adam", "deepspeed", "stage 0, torch_adam",
          torch_adam=True),
 )}
 
@@ -307,6 +311,8 @@ def main() -> None:
     parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                         help="interpreter that can import deepspeed")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per peer")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run the peer list this many times, rotating its order")
     parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
     parser.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -319,21 +325,39 @@ def main() -> None:
         parser.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
 
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
-    outcomes = []
-    for name in names:
-        peer = PEERS[name]
-        missing = ds_missing if peer.foreign else deepshard_missing() if name == "deepshard" else ""
-        if missing:
-            print(f"skipping {name}: {missing}", file=sys.stderr)
-            outcomes.append(Outcome(peer, why_not=f"skipped: {missing}"))
-            continue
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        outcome = run_peer(peer, args.deepspeed_python if peer.foreign else sys.executable, args)
-        if outcome.why_not:
-            print(f"{name} {outcome.why_not}", file=sys.stderr)
-        outcomes.append(outcome)
+    runs: dict[str, list[Outcome]] = {name: [] for name in names}
+    for round_ in range(max(1, args.rounds)):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            peer = PEERS[name]
+            missing = (ds_missing if peer.foreign
+                       else deepshard_missing() if name == "deepshard" else "")
+            if missing:
+                print(f"skipping {name}: {missing}", file=sys.stderr)
+                runs[name].append(Outcome(peer, why_not=f"skipped: {missing}"))
+                continue
+            print(f"round {round_ + 1}: running {name} ...", file=sys.stderr, flush=True)
+            python = args.deepspeed_python if peer.foreign else sys.executable
+            outcome = run_peer(peer, python, args)
+            if outcome.why_not:
+                print(f"{name} {outcome.why_not}", file=sys.stderr)
+            runs[name].append(outcome)
 
-    print_report(args, outcomes, ds_label)
+    print_report(args, [merge(runs[name]) for name in names], ds_label)
+
+
+def merge(outcomes: list[Outcome]) -> Outcome:
+    """One peer's rounds as one outcome: all timed steps, the highest peak RSS per rank."""
+    ran = [o for o in outcomes if o.ranks]
+    if not ran:
+        return outcomes[0]
+    ranks = []
+    for rank in range(len(ran[0].ranks)):
+        results = [o.ranks[rank] for o in ran]
+        ranks.append({**results[-1],
+                      "step_s": [t for r in results for t in r["step_s"]],
+                      "peak_rss_kib": max(r["peak_rss_kib"] for r in results)})
+    return Outcome(ran[0].peer, tuple(ranks))
 
 
 def print_report(args: argparse.Namespace, outcomes: list[Outcome], ds_label: str | None) -> None:
@@ -341,8 +365,8 @@ def print_report(args: argparse.Namespace, outcomes: list[Outcome], ds_label: st
 
     print(f"GPT reference size (examples/gpt.py GPTConfig()), fp32, {WORLD} ranks on CPU, "
           f"1 thread each, micro-batch {MICRO_BATCH}/rank, seq 128, gas 1, AdamW lr 1e-4 wd 0.01; "
-          f"median of {args.steps} steps after {args.warmup} warm-up, barrier before and after "
-          f"each step; rank 0's times")
+          f"no clipping; median of {args.rounds} rounds x {args.steps} steps after "
+          f"{args.warmup} warm-up each, barrier before and after each step; rank 0's times")
     print(f"{platform.node()}, {os.cpu_count()} cores ({cpu_model()}), "
           f"Python {platform.python_version()}, torch {torch.__version__}"
           + (f"; DeepSpeed peers: {ds_label} ({args.deepspeed_python})" if ds_label else ""))

@@ -92,6 +92,7 @@ class GradBuckets:
                 p = self.params[i]
                 self.views[i] = self.buffers[b][off:off + p.numel()].view_as(p)
         self.sync = True
+        self._armed = False
         self._pending: list[int] = []
         self._next = 0
         self._works: list[tuple[object, torch.Tensor, int]] = []
@@ -107,6 +108,12 @@ class GradBuckets:
         self._pending = [len(layout.params) for layout in self.layouts]
         self._next = 0
 
+    def begin_backward(self, sync: bool) -> None:
+        """Called before each backward: ``sync`` at an accumulation boundary, when this
+        backward's gradients are to be reduced (every rank then reduces every bucket)."""
+        self.sync = sync
+        self._armed = self._armed or sync
+
     def _on_grad(self, param: torch.Tensor, i: int, b: int) -> None:
         view = self.views[i]
         if param.grad is not view:
@@ -115,6 +122,7 @@ class GradBuckets:
             param.grad = view
         if not self.sync:
             return
+        self._armed = True
         self._pending[b] -= 1
         while self._next < len(self.layouts) and self._pending[self._next] == 0:
             self._launch(self._next)
@@ -129,7 +137,14 @@ class GradBuckets:
         self._works.append((work, wire, b))
 
     def finish(self) -> None:
-        """Wait until every bucket is reduced (launching those whose grads never came)."""
+        """Wait until every bucket is reduced (launching those whose grads never came).
+
+        Does nothing unless a synchronising backward ran since the last call, so calling it
+        twice never reduces the same gradients twice.
+        """
+        if not self._armed:
+            return
+        self._armed = False
         while self._next < len(self.layouts):
             self._launch(self._next)
             self._next += 1

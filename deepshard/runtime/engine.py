@@ -204,7 +204,7 @@ class DeepShardEngine(torch.nn.Module):
                              where="engine.backward",
                              hint="compute the loss from engine(...) outputs in train mode, "
                                   "outside torch.no_grad()")
-        self._parts.buckets.sync = self.is_gradient_accumulation_boundary()
+        self._parts.buckets.begin_backward(self.is_gradient_accumulation_boundary())
         factor = 1.0 / (self._config.gradient_accumulation_steps * self.dp_world_size)
         if self.loss_scaler is not None:
             factor *= self.loss_scaler.loss_scale
