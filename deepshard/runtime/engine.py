@@ -246,9 +246,14 @@ class DeepShardEngine(torch.nn.Module):
             self._grad_norm = float(norm)
             if self.loss_scaler is not None:
                 overflow = not math.isfinite(self._grad_norm)
+                before = self.loss_scaler.loss_scale
                 self.loss_scaler.update_scale(overflow)
                 if overflow:
                     self.counters.skipped_steps += 1
+                    if self.global_rank == 0:
+                        logger.info("step %d: fp16 gradient overflow, step skipped on every "
+                                    "rank; loss scale %g -> %g", self.global_steps + 1,
+                                    before, self.loss_scaler.loss_scale)
                     return False
             if cfg.gradient_clipping > 0:
                 clip_(grads, norm, cfg.gradient_clipping)

@@ -138,12 +138,12 @@ class DynamicLossScaler:
                     "scale itself causes the overflow"
                 )
             next_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            logger.info(
+            logger.debug(
                 "fp16 overflow, skipping step; loss scale %g -> %g", self.cur_scale, next_scale
             )
             self.cur_scale = next_scale
         else:
-            logger.info(
+            logger.debug(
                 "fp16 overflow, skipping step; loss scale %g kept, hysteresis %d -> %d",
                 self.cur_scale,
                 self.cur_hysteresis,

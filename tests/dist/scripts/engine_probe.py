@@ -48,7 +48,7 @@ def precision(config_path: str, steps: int) -> None:
             engine.step()
         losses.append(float(loss.detach()))
         scales.append(engine.loss_scale)
-    checksum = sum(float(p.double().sum()) for p in engine.module.parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
     print("RESULT " + json.dumps({
         "rank": rank, "losses": losses, "scales": scales, "skipped": engine.skipped_steps,
         "global_steps": engine.global_steps, "checksum": checksum,
