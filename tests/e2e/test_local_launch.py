@@ -38,7 +38,18 @@ def wait_for_pids(pid_dir: Path, count: int, proc: subprocess.Popen, timeout: fl
     raise AssertionError("workers did not start in time")
 
 
-def test_demo_trains():
+def test_readme_demo_trains_the_gpt():
+    """``make demo``'s command (fewer steps): the reference-size GPT on 2 CPU workers."""
+    result = run_ds("--num_gpus", "2", "examples/train_gpt.py", "--deepspeed_config",
+                    "examples/configs/stage0.json", "--steps", "3", timeout=300)
+    assert result.returncode == 0, result.stderr
+    losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
+              if line.startswith("[localhost:0] step")]
+    assert len(losses) == 3
+    assert all(8.5 < loss < 9.5 for loss in losses)  # about ln(8192) = 9.01 at the start
+
+
+def test_ddp_example_trains():
     result = run_ds("--num_gpus", "2", "examples/train.py", "--steps", "6")
     assert result.returncode == 0, result.stderr
     losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
