@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.gradient_accumulation_steps()
     dp_rank, dp_size = dist.get_rank(), engine.dp_world_size
     for step in range(engine.global_steps, args.steps):
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for micro_step in range(accumulation):
             idx = rank_indices(step, micro_step, dp_rank, dp_size, micro, accumulation)
             x, y = (t.to(engine.device) for t in sample_batch(corpus, idx, args.seed,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            total += loss.detach().double().cpu()
+            total += loss.detach().double()
         if dp_size > 1:
             dist.all_reduce(total)
         if dist.get_rank() == 0:

@@ -78,10 +78,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     _broadcast_from_rank0(module, group, dp_world)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = tuple(n for n, _ in named), tuple(p for _, p in named)
-    cap = _bucket_elements(cfg, params)
+    cap = _bucket_elements(params)
     layouts = plan_buckets([p.shape for p in params], [p.dtype for p in params], cap)
     comm = COMM_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
-    buckets = GradBuckets(params, layouts, group, dp_world, comm)
+    buckets = GradBuckets(params, layouts, group, dp_world, comm, names)
     half = cfg.fp16.enabled or cfg.bf16.enabled
     masters = MasterWeights(params, layouts) if half and params else None
     opt = _optimizer(cfg, optimizer, model_parameters, params, masters)
@@ -133,6 +133,12 @@ def _logging_setup() -> None:
 
 def _data_parallel(mpu):
     if mpu is not None:
+        mp_size = mpu.get_model_parallel_world_size() \
+            if hasattr(mpu, "get_model_parallel_world_size") else 1
+        if mp_size > 1:
+            raise UsageError(f"model parallelism (mpu with {mp_size} model-parallel ranks) is "
+                             "not implemented yet", where="initialize(mpu=...)",
+                             hint="pass no mpu, or one with model-parallel size 1")
         group = mpu.get_data_parallel_group()
         return group, dist.get_world_size(group), dist.get_rank(group)
     return None, dist.get_world_size(), dist.get_rank()
@@ -174,10 +180,9 @@ def _broadcast_from_rank0(module: torch.nn.Module, group, world: int) -> None:
             offset += t.numel()
 
 
-def _bucket_elements(cfg, params) -> int:
-    zero = cfg.zero_optimization
-    if "reduce_bucket_size" in zero.model_fields_set:
-        return int(zero.reduce_bucket_size)
+def _bucket_elements(params) -> int:
+    """Stage 0 buckets are DDP-sized; ``reduce_bucket_size`` (DeepSpeed's default 5e8, one
+    bucket for most models: no overlap) is for the ZeRO stages, as in DeepSpeed."""
     size = params[0].element_size() if params else 4
     return DEFAULT_BUCKET_BYTES // size
 
@@ -190,11 +195,21 @@ def _optimizer(cfg, client, model_parameters, params, masters):
     mapping = masters.master_of() if masters is not None else None
     groups = _param_groups(model_parameters if model_parameters is not None else params,
                            mapping)
+    if (cfg.optimizer is not None or client is not None) and not _any_tensor(groups):
+        raise UsageError("the optimizer would have no trainable parameters",
+                         where="initialize(model_parameters=...)",
+                         hint="pass parameters of the model that require grad (or none, "
+                              "for all of them)")
     if cfg.optimizer is not None:
         return build_optimizer(cfg.optimizer.type, cfg.optimizer.params.model_dump(), groups)
     if client is None:
         return None
     if not isinstance(client, torch.optim.Optimizer):
+        if not callable(client):
+            raise UsageError(f"optimizer= is a {type(client).__name__}",
+                             where="initialize(optimizer=...)",
+                             hint="pass a torch.optim.Optimizer, or a callable that builds "
+                                  "one from the parameters")
         return client(groups)
     if mapping is not None:
         if client.state:
@@ -205,6 +220,10 @@ def _optimizer(cfg, client, model_parameters, params, masters):
         for group in client.param_groups:
             group["params"] = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
     return client
+
+
+def _any_tensor(groups) -> bool:
+    return any(g["params"] if isinstance(g, dict) else True for g in groups)
 
 
 def _param_groups(model_parameters, mapping):
@@ -218,14 +237,18 @@ def _param_groups(model_parameters, mapping):
 
 
 def _scheduler(cfg, client, optimizer):
+    """The client's scheduler (or what its callable builds) wins over the config's, as in
+    DeepSpeed."""
+    if client is not None:
+        if callable(client) and not hasattr(client, "step"):
+            return client(optimizer)
+        return client
     if cfg.scheduler is not None:
         if optimizer is None:
             raise UsageError("a scheduler needs an optimizer", where="scheduler",
                              hint='add an "optimizer" section or pass optimizer=')
         return build_scheduler(cfg.scheduler.type, cfg.scheduler.params.model_dump(), optimizer)
-    if client is not None and not hasattr(client, "step") and callable(client):
-        return client(optimizer)
-    return client
+    return None
 
 
 def _maybe_resume(engine: DeepShardEngine, cfg) -> None:

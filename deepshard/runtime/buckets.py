@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import UsageError
+
 # DDP's default bucket: big enough to amortise a collective, small enough to overlap backward.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -80,8 +82,9 @@ class GradBuckets:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], layouts: Sequence[BucketLayout],
                  group: dist.ProcessGroup | None, world: int,
-                 comm_dtype: torch.dtype | None = None):
+                 comm_dtype: torch.dtype | None = None, names: Sequence[str] = ()):
         self.params = list(params)
+        self.names = tuple(names) or tuple(f"parameter {i}" for i in range(len(self.params)))
         self.layouts = tuple(layouts)
         self.group, self.world, self.comm_dtype = group, world, comm_dtype
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -91,8 +94,10 @@ class GradBuckets:
             for i, off in zip(layout.params, layout.offsets, strict=True):
                 p = self.params[i]
                 self.views[i] = self.buffers[b][off:off + p.numel()].view_as(p)
-        self.sync = True
+        self.sync = False
+        self._active = False
         self._armed = False
+        self._ready = [False] * len(self.params)
         self._pending: list[int] = []
         self._next = 0
         self._works: list[tuple[object, torch.Tensor, int]] = []
@@ -106,15 +111,30 @@ class GradBuckets:
 
     def _reset_counts(self) -> None:
         self._pending = [len(layout.params) for layout in self.layouts]
+        self._ready = [False] * len(self.params)
         self._next = 0
 
     def begin_backward(self, sync: bool) -> None:
-        """Called before each backward: ``sync`` at an accumulation boundary, when this
-        backward's gradients are to be reduced (every rank then reduces every bucket)."""
-        self.sync = sync
+        """Called by the engine before each backward: ``sync`` at an accumulation boundary,
+        when this backward's gradients are to be reduced (every rank reduces every bucket)."""
+        if sync and self._armed:
+            raise UsageError("a second backward at the same gradient-accumulation boundary",
+                             where="engine.backward",
+                             hint="call engine.step() after each engine.backward(), or sum "
+                                  "the losses and call engine.backward() once")
+        self.sync, self._active = sync, True
         self._armed = self._armed or sync
 
+    def end_backward(self) -> None:
+        """Called by the engine after each backward."""
+        self._active = False
+
     def _on_grad(self, param: torch.Tensor, i: int, b: int) -> None:
+        if not self._active:
+            raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
+                             where="loss.backward()",
+                             hint="call engine.backward(loss) instead: it scales the loss "
+                                  "and reduces the gradients across ranks")
         view = self.views[i]
         if param.grad is not view:
             # the user set grads to None (optimizer.zero_grad()): put them back in the bucket
@@ -122,7 +142,12 @@ class GradBuckets:
             param.grad = view
         if not self.sync:
             return
-        self._armed = True
+        if self._ready[i]:
+            raise UsageError(f"{self.names[i]} got its gradient twice in one backward",
+                             where="engine.backward",
+                             hint="use torch.utils.checkpoint with use_reentrant=False, and "
+                                  "do not reuse a parameter across reentrant checkpoints")
+        self._ready[i] = True
         self._pending[b] -= 1
         while self._next < len(self.layouts) and self._pending[self._next] == 0:
             self._launch(self._next)

@@ -72,12 +72,23 @@ def _save_file(obj: object, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def check_tag(tag: object) -> str:
+    """A tag as a directory name, or a UsageError."""
+    text = str(tag)
+    if not text or text in (LATEST, ".", "..") or "/" in text or text.startswith("."):
+        raise UsageError(f"checkpoint tag {text!r} cannot be a directory name here",
+                         where="tag", hint="use a plain name such as 'global_step100', not "
+                                           "'latest', empty, or with '/' or a leading '.'")
+    return text
+
+
 def save(save_dir: str | os.PathLike, manifest: Manifest, *, rank: int,
          shared: Mapping[str, object] | None, own: Mapping[str, object],
-         barrier: Callable[[], None]) -> Path:
+         barrier: Callable[[], None], save_latest: bool = True) -> Path:
     """Write one checkpoint collectively; every rank calls this, rank 0 commits it.
 
-    ``shared`` is written by rank 0 only; ``own`` by every rank. Returns the tag directory.
+    ``shared`` is written by rank 0 only; ``own`` by every rank. ``latest`` is pointed at
+    the new tag unless ``save_latest`` is false. Returns the tag directory.
     """
     root = Path(save_dir)
     final, partial = root / manifest.tag, root / f".{manifest.tag}.partial"
@@ -91,25 +102,29 @@ def save(save_dir: str | os.PathLike, manifest: Manifest, *, rank: int,
         _save_file(dict(shared), partial / SHARED_FILE)
     barrier()
     if rank == 0:
-        _commit(root, final, partial, manifest)
+        _commit(root, final, partial, manifest, save_latest)
     barrier()
     return final
 
 
-def _commit(root: Path, final: Path, partial: Path, manifest: Manifest) -> None:
+def _commit(root: Path, final: Path, partial: Path, manifest: Manifest,
+            save_latest: bool) -> None:
     text = json.dumps(asdict(manifest), indent=2)
     with open(partial / MANIFEST, "w") as f:
         f.write(text + "\n")
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(partial)
-    old = root / f".{manifest.tag}.old"
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    partial.rename(final)
-    _fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
+        # one atomic swap: at every instant either the old or the new tag is complete
+        _exchange(partial, final)
+        _fsync_dir(root)
+        shutil.rmtree(partial, ignore_errors=True)
+    else:
+        partial.rename(final)
+        _fsync_dir(root)
+    if not save_latest:
+        return
     tmp = root / f".{LATEST}.tmp"
     with open(tmp, "w") as f:
         f.write(manifest.tag)
@@ -117,6 +132,24 @@ def _commit(root: Path, final: Path, partial: Path, manifest: Manifest) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
     _fsync_dir(root)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def full_precision(shared: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """The module's state from a loaded ``model_states.pt`` with fp32 masters substituted
+    for the half-precision values they shadow."""
+    masters = shared.get("fp32_masters") or {}
+    return {name: masters.get(name, value) for name, value in shared["module"].items()}
 
 
 def read_manifest(tag_dir: Path) -> Manifest | None:
@@ -210,13 +243,5 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
         raise UsageError("no complete checkpoint", where=str(checkpoint_dir),
                          hint="pass the directory given to engine.save_checkpoint()")
     shared = load_file(Path(checkpoint_dir) / manifest.tag, SHARED_FILE)
-    masters = shared.get("fp32_masters") or {}
-    out = {}
-    for name, value in shared["module"].items():
-        if name in masters:
-            out[name] = masters[name]
-        elif torch.is_floating_point(value):
-            out[name] = value.float()
-        else:
-            out[name] = value
-    return out
+    return {name: value.float() if torch.is_floating_point(value) else value
+            for name, value in full_precision(shared).items()}

@@ -196,20 +196,32 @@ class DeepShardEngine(torch.nn.Module):
         return self.module(*inputs, **kwargs)
 
     @exit_on_usage_error
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate ``loss`` (scaled as in DeepSpeed: by 1/accumulation and the fp16 loss
-        scale); at an accumulation boundary, gradients are all-reduced while this runs."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss``, scaled as in DeepSpeed by 1/accumulation (unless
+        ``scale_wrt_gas`` is false) and the fp16 loss scale. At an accumulation boundary the
+        gradients are all-reduced while this runs and are final when it returns. Returns the
+        loss as scaled for accumulation, like DeepSpeed."""
         if not loss.requires_grad:
             raise UsageError("engine.backward() got a loss that does not require grad",
                              where="engine.backward",
                              hint="compute the loss from engine(...) outputs in train mode, "
                                   "outside torch.no_grad()")
-        self._parts.buckets.begin_backward(self.is_gradient_accumulation_boundary())
-        factor = 1.0 / (self._config.gradient_accumulation_steps * self.dp_world_size)
+        boundary = self.is_gradient_accumulation_boundary()
+        buckets = self._parts.buckets
+        gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
+        factor = 1.0 / (gas * self.dp_world_size)
         if self.loss_scaler is not None:
             factor *= self.loss_scaler.loss_scale
-        (loss.float() * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        return loss
+        buckets.begin_backward(boundary)
+        try:
+            (loss.float() * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        finally:
+            buckets.end_backward()
+        if boundary:
+            buckets.finish()
+        heartbeat(self.counters.global_steps)
+        return loss / gas if gas != 1 else loss
 
     @exit_on_usage_error
     def step(self) -> None:
@@ -300,19 +312,15 @@ class DeepShardEngine(torch.nn.Module):
 
         Collective: every rank must call it. ``tag`` defaults to ``global_step<N>``.
         """
-        del save_latest, exclude_frozen_parameters  # latest is always updated, last
-        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        if "/" in tag or tag.startswith("."):
-            raise UsageError(f"checkpoint tag {tag!r} is not a plain name", where="tag",
-                             hint="use letters, digits, '_' or '-'")
+        del exclude_frozen_parameters  # frozen parameters are part of the module's state
+        tag = ckpt.check_tag(tag if tag is not None else f"global_step{self.global_steps}")
         parts = self._parts
+        heartbeat(self.counters.global_steps)
         shared = None
         if self.global_rank == 0:
             shared = {
                 "module": self.module.state_dict(),
-                "fp32_masters": ({n: m.detach().clone() for n, m in
-                                  zip(parts.names, parts.masters.masters, strict=True)}
-                                 if parts.masters else None),
+                "fp32_masters": self._masters_by_name() if parts.masters else None,
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
@@ -327,8 +335,18 @@ class DeepShardEngine(torch.nn.Module):
             files=(ckpt.SHARED_FILE, *(ckpt.rank_file(r) for r in range(self.dp_world_size))),
             created_unix=ckpt.now())
         ckpt.save(save_dir, manifest, rank=self.global_rank, shared=shared,
-                  own={"rng": ckpt.rng_states()}, barrier=self._barrier)
+                  own={"rng": ckpt.rng_states()}, barrier=self._barrier,
+                  save_latest=save_latest)
+        heartbeat(self.counters.global_steps)
         return True
+
+    def _masters_by_name(self) -> dict[str, torch.Tensor]:
+        """fp32 masters keyed by every name of their parameter (tied weights: all aliases)."""
+        by_id = {id(p): m for p, m in zip(self._parts.params, self._parts.masters.masters,
+                                           strict=True)}
+        return {name: by_id[id(p)].detach().clone()
+                for name, p in self.module.named_parameters(remove_duplicate=False)
+                if id(p) in by_id}
 
     @exit_on_usage_error
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -336,22 +354,23 @@ class DeepShardEngine(torch.nn.Module):
                         load_module_only=False):
         """Restore a checkpoint; returns ``(path, client_state)``, or ``(None, None)`` when
         ``load_dir`` holds no complete checkpoint (as DeepSpeed does)."""
-        manifest = ckpt.resolve_tag(load_dir, tag)
+        manifest = ckpt.resolve_tag(load_dir, None if tag is None else ckpt.check_tag(tag))
         if manifest is None:
-            logger.warning("no complete checkpoint in %s: starting from scratch", load_dir)
+            if self.global_rank == 0:
+                logger.warning("no complete checkpoint in %s: starting from scratch", load_dir)
             return None, None
         path = Path(load_dir) / manifest.tag
         shared = ckpt.load_file(path, ckpt.SHARED_FILE)
-        self.module.load_state_dict(shared["module"], strict=load_module_strict)
+        # fp32 values wherever the checkpoint has them (its masters), whatever precision
+        # either run trains in; load_state_dict casts them to the module's dtypes
+        full = ckpt.full_precision(shared)
+        self.module.load_state_dict(full, strict=load_module_strict)
         parts = self._parts
         if parts.masters is not None:
-            masters = shared.get("fp32_masters")
-            if masters:
-                with torch.no_grad():
-                    for name, m in zip(parts.names, parts.masters.masters, strict=True):
-                        m.copy_(masters[name])
-            else:
-                parts.masters.load_from_model()
+            with torch.no_grad():
+                for name, p, m in zip(parts.names, parts.params, parts.masters.masters,
+                                      strict=True):
+                    m.copy_(full[name] if name in full else p.detach())
         if not load_module_only:
             if load_optimizer_states and self.optimizer and shared["optimizer"]:
                 self.optimizer.load_state_dict(shared["optimizer"])

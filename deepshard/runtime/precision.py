@@ -26,12 +26,14 @@ class MasterWeights:
                       for b in layouts]
         self.grad_flats = [torch.zeros_like(f) for f in self.flats]
         self.masters: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        self.grad_views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for flat, gflat, layout in zip(self.flats, self.grad_flats, layouts, strict=True):
             for i, off in zip(layout.params, layout.offsets, strict=True):
                 p = self.params[i]
                 master = flat[off:off + p.numel()].view_as(p)
                 master.copy_(p.detach())
-                master.grad = gflat[off:off + p.numel()].view_as(p)
+                self.grad_views[i] = gflat[off:off + p.numel()].view_as(p)
+                master.grad = self.grad_views[i]
                 self.masters[i] = master
 
     def master_of(self) -> dict[int, torch.Tensor]:
@@ -40,6 +42,8 @@ class MasterWeights:
 
     def load_grads(self, grad_buffers: Sequence[torch.Tensor], inv_scale: float) -> None:
         """Master grads = reduced half-precision grads × ``inv_scale`` (loss-scale undone)."""
+        for master, view in zip(self.masters, self.grad_views, strict=True):
+            master.grad = view  # the user's optimizer.zero_grad() may have set it to None
         for gflat, buf in zip(self.grad_flats, grad_buffers, strict=True):
             gflat.copy_(buf)
         if inv_scale != 1.0:
@@ -49,11 +53,6 @@ class MasterWeights:
         """Write the stepped masters back into the module's half-precision parameters."""
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in self.params], self.masters)
-
-    def load_from_model(self) -> None:
-        """Masters = the module's current parameters (after loading a half-only state)."""
-        with torch.no_grad():
-            torch._foreach_copy_(self.masters, [p.data.float() for p in self.params])
 
     def nbytes(self) -> tuple[int, int]:
         """Bytes of (master params, master grads)."""

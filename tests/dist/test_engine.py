@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import deepshard
+from deepshard.errors import UsageError
 from deepshard.runtime import checkpoint as ckpt
 
 from tests.helpers import ROOT, run_ds, tagged_json
@@ -209,9 +210,9 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert manifest is not None and manifest.tag == "good" and manifest.global_steps == 1
     state = deepshard.get_fp32_state_dict(directory)
     assert state["head.weight"].dtype == torch.float32
-    # and a fresh engine loads it, client state included
-    torch.manual_seed(0)
-    with pytest.raises(Exception, match="no complete checkpoint with tag 'bad'"):
+    shared = ckpt.load_file(directory / "good", ckpt.SHARED_FILE)
+    assert shared["client_state"] == {"note": "good"}
+    with pytest.raises(UsageError, match="no complete checkpoint with tag 'bad'"):
         ckpt.resolve_tag(directory, "bad")
 
 

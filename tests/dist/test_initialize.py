@@ -124,3 +124,83 @@ def test_args_config_file_and_add_config_arguments(tmp_path):
     engine, opt, _, _ = deepshard.initialize(args=args, model=model(),
                                              model_parameters=model().parameters())
     assert engine.train_batch_size() == 3 and isinstance(opt, torch.optim.SGD)
+
+
+def _train_one(engine, dtype=torch.float32):
+    loss = engine(torch.randn(3, 4, dtype=dtype)).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+
+def test_zero_grad_on_the_returned_optimizer_does_not_stop_training():
+    """DeepSpeed scripts call optimizer.zero_grad(); with bf16 masters it must stay harmless."""
+    engine, opt, _, _ = deepshard.initialize(
+        model=model(), config={"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True},
+                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for _ in range(3):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        opt.zero_grad()
+        _train_one(engine, torch.bfloat16)
+        assert any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(),
+                                                         strict=True))
+
+
+def test_backward_returns_the_accumulation_scaled_loss():
+    engine, _, _, _ = deepshard.initialize(
+        model=model(), config={"train_batch_size": 4, "gradient_accumulation_steps": 4,
+                               "optimizer": ADAMW})
+    loss = engine(torch.randn(1, 4)).pow(2).mean()
+    assert torch.equal(engine.backward(loss), loss / 4)
+
+
+def test_checkpoint_tags_latest_and_precision_changes(tmp_path, capsys):
+    """bf16 run saves; an fp32 run loads the fp32 masters, not the rounded bf16 weights;
+    save_latest=False leaves ``latest``; re-saving a tag replaces it; bad tags exit 2."""
+    config = {"train_micro_batch_size_per_gpu": 3, "optimizer": ADAMW}
+    half, _, _, _ = deepshard.initialize(model=model(),
+                                         config={**config, "bf16": {"enabled": True}})
+    _train_one(half, torch.bfloat16)
+    half.save_checkpoint(tmp_path, tag="a", client_state={"k": 1})
+    _train_one(half, torch.bfloat16)
+    half.save_checkpoint(tmp_path, tag="b", save_latest=False)
+    assert (tmp_path / "latest").read_text() == "a"
+    masters = half._masters_by_name()
+    _train_one(half, torch.bfloat16)
+    half.save_checkpoint(tmp_path, tag="b", save_latest=False)  # same tag again: replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latest"]
+    fresh = half._masters_by_name()
+    full, _, _, _ = deepshard.initialize(model=model(), config=config)
+    path, client = full.load_checkpoint(tmp_path, tag="b")
+    assert path == str(tmp_path / "b") and client == {}
+    for name, p in full.module.named_parameters():
+        assert torch.equal(p, fresh[name]) and not torch.equal(p, masters[name])
+    path, client = full.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "a") and client == {"k": 1}
+    for bad in ("latest", "", "../x"):
+        with pytest.raises(SystemExit) as exc:
+            full.save_checkpoint(tmp_path, tag=bad)
+        assert exc.value.code == 2
+        assert "cannot be a directory name" in capsys.readouterr().err
+
+
+def test_tied_weights_keep_fp32_masters_under_every_name(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model()
+            self.extra = torch.nn.Linear(8, 1)
+            self.extra.weight = self.body[2].weight  # tied: one parameter, two names
+
+        def forward(self, x):
+            return self.body(x)
+
+    net = Tied()
+    engine, _, _, _ = deepshard.initialize(
+        model=net, config={"train_micro_batch_size_per_gpu": 3, "fp16": {"enabled": True},
+                           "optimizer": ADAMW})
+    _train_one(engine, torch.float16)
+    engine.save_checkpoint(tmp_path, tag="t")
+    state = deepshard.get_fp32_state_dict(tmp_path)
+    assert torch.equal(state["extra.weight"], state["body.2.weight"])
+    assert state["body.2.weight"].dtype == torch.float32
+    assert not torch.equal(state["body.2.weight"], state["body.2.weight"].half().float())

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deepshard.errors import UsageError
 from deepshard.runtime.buckets import GradBuckets, plan_buckets
 
 F32, F16 = torch.float32, torch.float16
@@ -41,9 +43,15 @@ def test_grads_accumulate_into_bucket_views():
     layouts = plan_buckets([p.shape for p in params], [p.dtype for p in params], 10)
     buckets = GradBuckets(params, layouts, None, 1)
     x = torch.randn(5, 3)
-    model(x).sum().backward()
+
+    def backward(sync: bool) -> None:
+        buckets.begin_backward(sync)
+        model(x).sum().backward()
+        buckets.end_backward()
+
+    backward(False)
     first = [p.grad.clone() for p in params]
-    model(x).sum().backward()
+    backward(False)
     for p, g in zip(params, first, strict=True):
         torch.testing.assert_close(p.grad, 2 * g)
     flat = torch.cat([b.reshape(-1) for b in buckets.buffers])
@@ -51,9 +59,29 @@ def test_grads_accumulate_into_bucket_views():
     # a user's optimizer.zero_grad() sets grads to None: the next backward refills the views
     for p in params:
         p.grad = None
-    model(x).sum().backward()
+    backward(True)
     buckets.finish()
     assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(params, buckets.views,
                                                                   strict=True))
     buckets.zero()
     assert all(float(b.abs().sum()) == 0.0 for b in buckets.buffers)
+
+
+def test_misuse_is_a_usage_error_not_wrong_gradients():
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    buckets = GradBuckets(params, plan_buckets([p.shape for p in params],
+                                               [p.dtype for p in params], 100),
+                          None, 1, names=["weight", "bias"])
+    x = torch.randn(4, 3)
+    with pytest.raises(UsageError, match=r"(weight|bias) got a gradient outside engine\."):
+        model(x).sum().backward()  # a plain loss.backward(): not scaled, not reduced
+    buckets.begin_backward(True)
+    with pytest.raises(UsageError, match="a second backward at the same"):
+        buckets.begin_backward(True)
+    # a parameter used in two reentrant checkpoints fires its hook twice
+    x.requires_grad_()
+    loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True).sum() + \
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True).sum()
+    with pytest.raises(UsageError, match="got its gradient twice in one backward"):
+        loss.backward()
