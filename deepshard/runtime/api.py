@@ -95,6 +95,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         profiler = partial(FlopsProfiler, module, module_depth=fp.module_depth,
                            top_modules=fp.top_modules, detailed=fp.detailed,
                            recompute_fwd_factor=fp.recompute_fwd_factor)
+    if "activation_checkpointing" in cfg.model_fields_set:
+        from . import activation_checkpointing
+
+        notes = activation_checkpointing.configure(mpu, deepspeed_config=cfg)
+        if rank == 0 and notes:
+            logger.warning("activation_checkpointing: %s", "; ".join(notes))
     engine = DeepShardEngine(EngineParts(
         module=module, config=cfg, params=params, names=names, buckets=buckets,
         masters=masters, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler, group=group,

@@ -204,3 +204,26 @@ def test_tied_weights_keep_fp32_masters_under_every_name(tmp_path):
     assert torch.equal(state["extra.weight"], state["body.2.weight"])
     assert state["body.2.weight"].dtype == torch.float32
     assert not torch.equal(state["body.2.weight"], state["body.2.weight"].half().float())
+
+
+def test_activation_checkpointing_section_configures_deepshard_checkpointing(caplog):
+    """As DeepSpeed scripts expect, the config's section drives deepshard.checkpointing;
+    run in a copied context so the setting does not leak into other tests."""
+    import contextvars
+
+    from deepshard.runtime import activation_checkpointing as ac
+
+    def run():
+        assert not deepshard.checkpointing.is_configured()
+        deepshard.initialize(model=model(), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW,
+            "activation_checkpointing": {"cpu_checkpointing": True,
+                                         "partition_activations": True}})
+        assert deepshard.checkpointing.is_configured()
+        return ac._ACTIVE.get().config
+
+    with caplog.at_level("WARNING", logger="deepshard"):
+        settings = contextvars.copy_context().run(run)
+    assert settings.cpu_checkpointing and settings.partition_activations
+    assert any("partition_activations" in r.getMessage() for r in caplog.records)
+    assert not deepshard.checkpointing.is_configured()
