@@ -159,7 +159,9 @@ class FusedAdam(torch.optim.Optimizer):
                 state = self._state(p)
                 key = (p.device, p.dtype, state["step"])
                 cols = buckets.setdefault(key, [[], [], [], []])
-                for col, t in zip(cols, (p, p.grad, state["exp_avg"], state["exp_avg_sq"]),
+                # The kernels take contiguous grads in the param dtype (no-ops when so).
+                grad = p.grad.to(p.dtype).contiguous()
+                for col, t in zip(cols, (p, grad, state["exp_avg"], state["exp_avg_sq"]),
                                   strict=True):
                     col.append(t)
             beta1, beta2 = group["betas"]

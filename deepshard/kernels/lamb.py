@@ -150,7 +150,9 @@ class FusedLamb(torch.optim.Optimizer):
             for p in params:
                 state = self._state(p)
                 cols = buckets.setdefault((p.device, p.dtype, state["step"]), [[], [], [], []])
-                for col, t in zip(cols, (p, p.grad, state["exp_avg"], state["exp_avg_sq"]),
+                # The kernels take contiguous grads in the param dtype (no-ops when so).
+                grad = p.grad.to(p.dtype).contiguous()
+                for col, t in zip(cols, (p, grad, state["exp_avg"], state["exp_avg_sq"]),
                                   strict=True):
                     col.append(t)
             beta1, beta2 = group["betas"]

@@ -82,6 +82,19 @@ def test_reference_trust_ratio_by_hand():
     torch.testing.assert_close(m, torch.tensor([-0.4]))
 
 
+def test_build_optimizer_picks_fused_lamb_where_the_kernel_runs(monkeypatch):
+    from deepshard.runtime.optim import build as build_module
+
+    model = torch.nn.Linear(4, 3)
+    params = {"lr": 0.02, "weight_decay": 0.01, "max_grad_norm": 1.0, "betas": [0.8, 0.9]}
+    assert type(build_module.build_optimizer("LAMB", params, model.parameters())) is Lamb
+    # As on a GPU with CuPy; the CPU tensors then take FusedLamb's reference path.
+    monkeypatch.setattr(build_module, "_lamb_kernel_usable", lambda groups: True)
+    opt = build_module.build_optimizer("LAMB", params, model.parameters())
+    assert type(opt) is FusedLamb
+    assert opt.defaults["max_grad_norm"] == 1.0 and opt.defaults["betas"] == (0.8, 0.9)
+
+
 def test_fused_lamb_refuses_amsgrad_and_bad_coeffs():
     params = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="amsgrad"):
