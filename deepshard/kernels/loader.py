@@ -43,7 +43,8 @@ def _module(device: int, source: str, options: tuple[str, ...],
     import cupy
 
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=source_text(source), options=("-std=c++17", *options),
+        module = cupy.RawModule(code=source_text(source),
+                                options=("-std=c++17", f"-I{CUDA_DIR}", *options),
                                 name_expressions=name_expressions or None)
         module.compile()
         return module

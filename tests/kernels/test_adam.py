@@ -4,15 +4,12 @@ GPU with CuPy) the kernel against the reference."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from deepshard.kernels.adam import FusedAdam, adam_reference, fused_adam_step
-from deepshard.kernels.registry import CUDA_DIR
-from tests.helpers import require
+from tests.kernels.nvcc import ptx_entries
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8)
 SIZES = (1, 7, 300, 4097)
@@ -108,14 +105,7 @@ def test_fused_adam_refuses_amsgrad():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_adam_cu_compiles_with_every_instantiation(arch, tmp_path):
-    nvcc = shutil.which("nvcc")
-    require([] if nvcc else ["nvcc"], "kernel compile checks", "the CUDA toolkit")
-    out = tmp_path / "adam.ptx"
-    subprocess.run([nvcc, "--ptx", "-std=c++17", f"-arch={arch}", "-DDEEPSHARD_INSTANTIATE",
-                    str(CUDA_DIR / "adam.cu"), "-o", str(out)], check=True, timeout=120)
-    ptx = out.read_text()
-    # One entry per dtype: float, __half (6__half) and __nv_bfloat16 (13__nv_bfloat16).
-    entries = [line for line in ptx.splitlines() if ".entry" in line]
+    entries = ptx_entries("adam.cu", arch, tmp_path)
     assert len(entries) == 3, entries
     assert any("adam_stepIfE" in e for e in entries)
     assert any("6__half" in e for e in entries)

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +12,7 @@ import torch.nn.functional as F
 
 from deepshard.kernels import bias_gelu as bg
 from deepshard.kernels import loader
-from deepshard.kernels.registry import CUDA_DIR
-from tests.helpers import require
+from tests.kernels.nvcc import ptx_entries
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 APPROX = ["none", "tanh"]
@@ -100,14 +96,7 @@ def test_bench_cases_describe_bandwidth():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_source_compiles_with_every_instantiation(arch, tmp_path: Path):
-    nvcc = shutil.which("nvcc")
-    require([] if nvcc else ["nvcc"], "CUDA source compile tests", "the CUDA toolkit")
-    out = tmp_path / "bias_gelu.ptx"
-    proc = subprocess.run([nvcc, "--ptx", f"-arch={arch}", "-std=c++17",
-                           "-DDEEPSHARD_INSTANTIATE", str(CUDA_DIR / bg.SOURCE), "-o", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    entries = set(re.findall(r"\.entry\s+(\w+)", out.read_text()))
+    entries = ptx_entries(bg.SOURCE, arch, tmp_path)
     assert len(entries) == len(bg.NAME_EXPRESSIONS) == 15
     for mangled in ("f", "6__half", "13__nv_bfloat16"):
         for kernel in ("bias_gelu_fwd", "bias_gelu_bwd"):

@@ -4,16 +4,13 @@ kernels, and (on a GPU with CuPy) the kernels against the reference."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from deepshard.kernels.lamb import FusedLamb, fused_lamb_step, lamb_reference
-from deepshard.kernels.registry import CUDA_DIR
 from deepshard.runtime.optim.lamb import Lamb
-from tests.helpers import require
+from tests.kernels.nvcc import ptx_entries
 
 SIZES = (1, 7, 300, 4097)
 CASES = {
@@ -105,12 +102,7 @@ def test_fused_lamb_refuses_amsgrad_and_bad_coeffs():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_lamb_cu_compiles_with_every_instantiation(arch, tmp_path):
-    nvcc = shutil.which("nvcc")
-    require([] if nvcc else ["nvcc"], "kernel compile checks", "the CUDA toolkit")
-    out = tmp_path / "lamb.ptx"
-    subprocess.run([nvcc, "--ptx", "-std=c++17", f"-arch={arch}", "-DDEEPSHARD_INSTANTIATE",
-                    str(CUDA_DIR / "lamb.cu"), "-o", str(out)], check=True, timeout=120)
-    entries = [line for line in out.read_text().splitlines() if ".entry" in line]
+    entries = ptx_entries("lamb.cu", arch, tmp_path)
     assert len(entries) == 7, entries
     for kernel in ("lamb_update", "lamb_apply"):
         for mangled in ("IfE", "I6__halfE", "I13__nv_bfloat16E"):

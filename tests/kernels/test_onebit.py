@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +13,7 @@ import torch
 
 from deepshard.kernels import loader
 from deepshard.kernels import onebit as ob
-from deepshard.kernels.registry import CUDA_DIR
-from tests.helpers import require
+from tests.kernels.nvcc import ptx_entries
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 8, 9, 1000, 4097]
@@ -103,14 +99,7 @@ def test_bench_cases_describe_bandwidth():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_source_compiles_with_every_instantiation(arch, tmp_path: Path):
-    nvcc = shutil.which("nvcc")
-    require([] if nvcc else ["nvcc"], "CUDA source compile tests", "the CUDA toolkit")
-    out = tmp_path / "onebit.ptx"
-    proc = subprocess.run([nvcc, "--ptx", f"-arch={arch}", "-std=c++17",
-                           "-DDEEPSHARD_INSTANTIATE", str(CUDA_DIR / ob.SOURCE), "-o", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    entries = set(re.findall(r"\.entry\s+(\w+)", out.read_text()))
+    entries = ptx_entries(ob.SOURCE, arch, tmp_path)
     assert len(entries) == len(ob.NAME_EXPRESSIONS) == 7
     assert any(e.startswith("_Z12onebit_scale") for e in entries)
     for d in ("pack", "unpack"):

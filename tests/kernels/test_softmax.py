@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +12,7 @@ import torch
 
 from deepshard.kernels import loader
 from deepshard.kernels import softmax as sm
-from deepshard.kernels.registry import CUDA_DIR
-from tests.helpers import require
+from tests.kernels.nvcc import ptx_entries
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}
@@ -146,14 +142,7 @@ def test_bench_cases_describe_bandwidth():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_source_compiles_with_every_instantiation(arch, tmp_path: Path):
-    nvcc = shutil.which("nvcc")
-    require([] if nvcc else ["nvcc"], "CUDA source compile tests", "the CUDA toolkit")
-    out = tmp_path / "softmax.ptx"
-    proc = subprocess.run([nvcc, "--ptx", f"-arch={arch}", "-std=c++17",
-                           "-DDEEPSHARD_INSTANTIATE", str(CUDA_DIR / sm.SOURCE), "-o", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    entries = set(re.findall(r"\.entry\s+(\w+)", out.read_text()))
+    entries = ptx_entries(sm.SOURCE, arch, tmp_path)
     assert len(entries) == len(sm.NAME_EXPRESSIONS) == 6
     for d in ("fwd", "bwd"):
         for mangled in ("f", "6__half", "13__nv_bfloat16"):

@@ -15,32 +15,7 @@
 // Params and grads are T (float, __half, __nv_bfloat16); moments are always fp32 and all
 // arithmetic is fp32, the result rounded to T once per step. The formulas are torch's:
 //   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr/bc1 * m / (sqrt(v)/bc2_sqrt + eps)
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) {
-    return __float2half_rn(x);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-
-// The tensor owning global chunk c: the last i with prefix[i] <= c (binary search; n is
-// the number of tensors in one launch, small).
-__device__ __forceinline__ int owner_of(const long long* prefix, int n, long long c) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
+#include "common.cuh"
 
 template <typename T>
 __global__ void adam_step(const long long* __restrict__ table, int n, long long chunk,
@@ -62,14 +37,14 @@ __global__ void adam_step(const long long* __restrict__ table, int n, long long 
         const long long begin = (c - prefix[t]) * chunk;
         const long long end = min(begin + chunk, sizes[t]);
         for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
-            float pi = to_float(p[i]);
-            float gi = to_float(g[i]) + l2 * pi;
+            float pi = to_f(p[i]);
+            float gi = to_f(g[i]) + l2 * pi;
             float mi = beta1 * m[i] + (1.0f - beta1) * gi;
             float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
             m[i] = mi;
             v[i] = vi;
             pi = pi * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-            p[i] = from_float<T>(pi);
+            p[i] = from_f<T>(pi);
         }
     }
 }

@@ -12,21 +12,9 @@
 // Preconditions: x, dy, y, dx row-major contiguous [rows, cols]; bias, dbias [cols];
 //   T in {float, __half, __nv_bfloat16}; all math in fp32 (x + bias is not rounded to T).
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 namespace {
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kInvSqrt2 = 0.7071067811865476f;     // 1 / sqrt(2)

@@ -17,30 +17,7 @@
 //   block     THREADS (a multiple of 32, at most 1024); grid any size (grid-stride).
 // Moments are fp32, arithmetic is fp32, bias correction is folded into step_size by the host:
 // step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t), or lr without bias correction.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) {
-    return __float2half_rn(x);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ int owner_of(const long long* prefix, int n, long long c) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (prefix[mid] <= c) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
+#include "common.cuh"
 
 // Sum of x over the block, valid in thread 0. Every thread of the block must call it;
 // `shared` holds one float per warp and is reused, hence the leading barrier.
@@ -78,8 +55,8 @@ __global__ void lamb_update(const long long* __restrict__ table, int n, long lon
         const long long end = min(begin + chunk, sizes[t]);
         float pp = 0.0f, uu = 0.0f;
         for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
-            const float pi = to_float(p[i]);
-            const float gi = to_float(g[i]) * scale;
+            const float pi = to_f(p[i]);
+            const float gi = to_f(g[i]) * scale;
             const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
             const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
             m[i] = mi;
@@ -136,7 +113,7 @@ __global__ void lamb_apply(const long long* __restrict__ table, int n, long long
         const long long begin = (c - prefix[t]) * chunk;
         const long long end = min(begin + chunk, sizes[t]);
         for (long long i = begin + threadIdx.x; i < end; i += blockDim.x)
-            p[i] = from_float<T>(to_float(p[i]) - coef * u[i]);
+            p[i] = from_f<T>(to_f(p[i]) - coef * u[i]);
     }
 }
 

@@ -16,21 +16,9 @@
 // Preconditions: x, y contiguous with n elements; bits holds ceil(n / 8) bytes; n >= 1;
 //   T in {float, __half, __nv_bfloat16}.
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 namespace {
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
 
 template <typename A> __device__ __forceinline__ A block_sum(A v, A* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
