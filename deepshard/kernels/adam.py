@@ -150,22 +150,11 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            buckets: dict[tuple, list[list[torch.Tensor]]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdam does not support sparse gradients")
-                state = self._state(p)
-                key = (p.device, p.dtype, state["step"])
-                cols = buckets.setdefault(key, [[], [], [], []])
-                # The kernels take contiguous grads in the param dtype (no-ops when so).
-                grad = p.grad.to(p.dtype).contiguous()
-                for col, t in zip(cols, (p, grad, state["exp_avg"], state["exp_avg_sq"]),
-                                  strict=True):
-                    col.append(t)
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("FusedAdam does not support sparse gradients")
             beta1, beta2 = group["betas"]
-            for (_, _, step), (ps, gs, ms, vs) in buckets.items():
+            for (_, _, step), (ps, gs, ms, vs) in moment_columns(self.state, params).items():
                 fused_adam_step(ps, gs, ms, vs, step=step, lr=group["lr"], beta1=beta1,
                                 beta2=beta2, eps=group["eps"],
                                 weight_decay=group["weight_decay"],
@@ -173,17 +162,29 @@ class FusedAdam(torch.optim.Optimizer):
                                 bias_correction=group["bias_correction"])
         return loss
 
-    def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
+
+def moment_columns(states: dict, params: Sequence[torch.Tensor]
+                   ) -> dict[tuple, list[list[torch.Tensor]]]:
+    """Advance each param's step and group (param, grad, exp_avg, exp_avg_sq) columns by
+    (device, dtype, step): what one multi-tensor launch takes. Moments are created, or
+    brought back to, fp32 (``load_state_dict`` casts state to the param's dtype); grads are
+    made contiguous in the param dtype (no copy when they already are)."""
+    columns: dict[tuple, list[list[torch.Tensor]]] = {}
+    for p in params:
+        state = states[p]
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        elif state["exp_avg"].dtype != torch.float32:  # load_state_dict casts to p.dtype
+        elif state["exp_avg"].dtype != torch.float32:
             state["exp_avg"] = state["exp_avg"].float()
             state["exp_avg_sq"] = state["exp_avg_sq"].float()
         state["step"] += 1
-        return state
+        cols = columns.setdefault((p.device, p.dtype, state["step"]), [[], [], [], []])
+        grad = p.grad.to(p.dtype).contiguous()
+        for col, t in zip(cols, (p, grad, state["exp_avg"], state["exp_avg_sq"]), strict=True):
+            col.append(t)
+    return columns
 
 
 def bench_cases(device: torch.device) -> list[BenchCase]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import loader
-from .adam import CHUNK, MAX_BLOCKS, THREADS, _check, tensor_table
+from .adam import CHUNK, MAX_BLOCKS, THREADS, _check, moment_columns, tensor_table
 from .bench import BenchCase
 
 _CLIP_EPS = 1e-6  # added to the gradient norm before comparing it with max_grad_norm
@@ -146,17 +146,9 @@ class FusedLamb(torch.optim.Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("LAMB does not support sparse gradients")
             divisor = _clip_divisor([p.grad for p in params], group["max_grad_norm"])
-            buckets: dict[tuple, list[list[torch.Tensor]]] = {}
-            for p in params:
-                state = self._state(p)
-                cols = buckets.setdefault((p.device, p.dtype, state["step"]), [[], [], [], []])
-                # The kernels take contiguous grads in the param dtype (no-ops when so).
-                grad = p.grad.to(p.dtype).contiguous()
-                for col, t in zip(cols, (p, grad, state["exp_avg"], state["exp_avg_sq"]),
-                                  strict=True):
-                    col.append(t)
             beta1, beta2 = group["betas"]
-            for (device, _, step), (ps, gs, ms, vs) in buckets.items():
+            for (device, _, step), (ps, gs, ms, vs) in moment_columns(self.state,
+                                                                      params).items():
                 fused_lamb_step(ps, gs, ms, vs, step=step, lr=group["lr"], beta1=beta1,
                                 beta2=beta2, eps=group["eps"],
                                 weight_decay=group["weight_decay"],
@@ -165,18 +157,6 @@ class FusedLamb(torch.optim.Optimizer):
                                 max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
                                 grad_divisor=divisor.to(device))
         return loss
-
-    def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        elif state["exp_avg"].dtype != torch.float32:  # load_state_dict casts to p.dtype
-            state["exp_avg"] = state["exp_avg"].float()
-            state["exp_avg_sq"] = state["exp_avg_sq"].float()
-        state["step"] += 1
-        return state
 
 
 def _clip_divisor(grads: list[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
