@@ -110,6 +110,8 @@ def fused_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     _check([*params, *grads], dtype, "params and grads")
     _check([*exp_avgs, *exp_avg_sqs], torch.float32, "exp_avg and exp_avg_sq")
     table, chunks = tensor_table([params, grads, exp_avgs, exp_avg_sqs])
+    if chunks == 0:  # only empty tensors
+        return
     fn = loader.kernel("adam.cu", f"adam_step<{loader.CUDA_TYPES[dtype]}>", params[0].device,
                        name_expressions=[f"adam_step<{t}>" for t in loader.CUDA_TYPES.values()])
     bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step, bias_correction)

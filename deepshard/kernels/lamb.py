@@ -82,6 +82,8 @@ def fused_lamb_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     scratch = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
     us = list(scratch.split([p.numel() for p in params]))
     table, chunks = tensor_table([params, grads, exp_avgs, exp_avg_sqs, us])
+    if chunks == 0:  # only empty tensors: nothing to update
+        return
     partials = torch.empty(2 * chunks, dtype=torch.float32, device=device)
     ratio = torch.empty(len(params), dtype=torch.float32, device=device)
     divisor = torch.as_tensor(grad_divisor, dtype=torch.float32, device=device).reshape(1)

@@ -80,10 +80,11 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     y = torch.empty_like(x2)
     mean = torch.empty(rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
+    w, b = weight.contiguous(), bias.contiguous()  # alive across the launch
     if rows:
         loader.launch(_fn("layer_norm_fwd", x), (rows,), (_threads(cols),),
-                      (loader.ptr(x2), loader.ptr(weight.contiguous()),
-                       loader.ptr(bias.contiguous()), loader.ptr(y), loader.ptr(mean),
+                      (loader.ptr(x2), loader.ptr(w), loader.ptr(b), loader.ptr(y),
+                       loader.ptr(mean),
                        loader.ptr(rstd), np.int32(cols), np.float32(eps)))
     return y.view(x.shape), mean, rstd
 

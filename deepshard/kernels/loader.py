@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,22 +51,36 @@ def _module(device: int, source: str, options: tuple[str, ...],
         return module
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """A compiled kernel and the device it was compiled for (where it must be launched)."""
+
+    fn: Any
+    device: int
+
+
 def kernel(source: str, name: str, device: torch.device, *,
-           options: Sequence[str] = (), name_expressions: Sequence[str] = ()) -> Any:
+           options: Sequence[str] = (), name_expressions: Sequence[str] = ()) -> Kernel:
     """The compiled kernel ``name`` (a name expression for templates) of ``cuda/<source>``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    module = _module(index, source, tuple(options), tuple(name_expressions))
-    return module.get_function(name)
-
-
-def launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-           shared_mem: int = 0) -> None:
-    """Launch on torch's current CUDA stream, so kernels order with torch's own work."""
     import cupy
 
-    stream = torch.cuda.current_stream()
-    with cupy.cuda.ExternalStream(stream.cuda_stream):
-        fn(grid, block, args, shared_mem=shared_mem)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    module = _module(index, source, tuple(options), tuple(name_expressions))
+    with cupy.cuda.Device(index):  # CuPy resolves functions per current device
+        return Kernel(module.get_function(name), index)
+
+
+def launch(k: Kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+           shared_mem: int = 0) -> None:
+    """Launch on the kernel's device, on torch's current stream there (so kernels order with
+    torch's own work); an empty grid launches nothing."""
+    import cupy
+
+    if any(g == 0 for g in grid):
+        return
+    stream = torch.cuda.current_stream(k.device)
+    with cupy.cuda.Device(k.device), cupy.cuda.ExternalStream(stream.cuda_stream, k.device):
+        k.fn(grid, block, args, shared_mem=shared_mem)
 
 
 def ptr(t: torch.Tensor) -> Any:

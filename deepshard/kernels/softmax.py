@@ -103,7 +103,7 @@ def scaled_masked_softmax_forward(x: torch.Tensor, mask: torch.Tensor | None = N
     y = torch.empty_like(xc)
     rows = xc.numel() // cols
     # The converted mask must stay referenced until the launch is queued.
-    mask_c = None if mask is None else mask.to(x.dtype).contiguous()
+    mask_c = None if mask is None else mask.to(torch.float32).contiguous()  # as added: fp32
     mask_ptr = np.uint64(0) if mask_c is None else loader.ptr(mask_c)
     if rows:
         loader.launch(_fn(x, "fwd"), (rows,), (_threads(cols),),

@@ -6,7 +6,7 @@
 //     grid (rows), block (threads), threads a multiple of 32 and <= 1024; one block per row,
 //     reductions by warp shuffles + 64 floats of static shared memory.
 // Preconditions: x, y, dy, dx row-major contiguous [rows, cols]; x finite.
-//   mask: nullptr, or contiguous [rows / mask_group, cols] of T, additive (0 or -inf / large
+//   mask: nullptr, or contiguous [rows / mask_group, cols] of float, additive (0 or -inf / large
 //   negative); row r uses mask row r / mask_group (mask_group = rows for one shared mask row,
 //   H * Q for a [B, 1, 1, K] padding mask of [B, H, Q, K] scores, 1 for a full mask).
 //   causal_q > 0: rows are [..., causal_q, cols] and row r masks columns c > r % causal_q
@@ -66,13 +66,13 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }  // namespace
 
 template <typename T>
-__global__ void scaled_masked_softmax_fwd(const T* __restrict__ x, const T* __restrict__ mask,
+__global__ void scaled_masked_softmax_fwd(const T* __restrict__ x, const float* __restrict__ mask,
                                           T* __restrict__ y, int cols, int mask_group,
                                           int causal_q, float scale) {
     __shared__ float scratch[64];
     const size_t row = blockIdx.x;
     const T* xr = x + row * cols;
-    const T* mr = mask ? mask + (row / mask_group) * cols : nullptr;
+    const float* mr = mask ? mask + (row / mask_group) * cols : nullptr;
     T* yr = y + row * cols;
     // Columns >= limit are causally masked.
     const int limit = causal_q > 0 ? (int)(row % causal_q) + 1 : cols;
@@ -114,7 +114,7 @@ __global__ void scaled_masked_softmax_bwd(const T* __restrict__ dy, const T* __r
 #ifdef DEEPSHARD_INSTANTIATE
 // Every instantiation the loader names, so `nvcc -DDEEPSHARD_INSTANTIATE` checks them all.
 #define DEEPSHARD_SM(T)                                                                        \
-    template __global__ void scaled_masked_softmax_fwd<T>(const T*, const T*, T*, int, int,    \
+    template __global__ void scaled_masked_softmax_fwd<T>(const T*, const float*, T*, int, int,    \
                                                           int, float);                         \
     template __global__ void scaled_masked_softmax_bwd<T>(const T*, const T*, T*, int, float);
 DEEPSHARD_SM(float)
