@@ -5,8 +5,9 @@ buckets, fp32 masters, optimizer, scheduler, loss scaler) and hands them to
 :class:`DeepShardEngine`, which only sequences them:
 
 - ``backward(loss)`` scales the loss by ``loss_scale / (gradient_accumulation_steps ×
-  world)`` and runs autograd; at an accumulation boundary the buckets all-reduce during it;
-- ``step()`` counts micro-steps; at a boundary it waits for the reductions, unscales into
+  world)`` and runs autograd; at an accumulation boundary the buckets all-reduce during it
+  and it waits for the last of them;
+- ``step()`` counts micro-steps; at a boundary it unscales into
   the masters, checks for overflow (fp16: a skipped step on every rank, since every rank
   has the same reduced gradients), clips, steps the optimizer and the scheduler, zeroes the
   gradients and beats the launcher's heartbeat.
@@ -234,7 +235,6 @@ class DeepShardEngine(torch.nn.Module):
                              hint='add an "optimizer" section to the config, or pass '
                                   "optimizer= to deepshard.initialize()")
         started = time.perf_counter()
-        self._parts.buckets.finish()
         self._step_applied = self._apply()
         self._parts.buckets.zero()
         c = self.counters

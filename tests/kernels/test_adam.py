@@ -3,13 +3,11 @@ GPU with CuPy) the kernel against the reference."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from deepshard.kernels.adam import FusedAdam, adam_reference, fused_adam_step
-from tests.kernels.nvcc import ptx_entries
+from tests.kernels.support import needs_gpu, ptx_entries
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8)
 SIZES = (1, 7, 300, 4097)
@@ -112,16 +110,8 @@ def test_adam_cu_compiles_with_every_instantiation(arch, tmp_path):
     assert any("13__nv_bfloat16" in e for e in entries)
 
 
-def _gpu_skip() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if importlib.util.find_spec("cupy") is None:
-        return "needs CuPy"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip() is not None, reason=str(_gpu_skip()))
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_kernel_matches_reference_on_gpu(dtype, decoupled):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,11 @@ import torch.nn.functional as F
 
 from deepshard.kernels import bias_gelu as bg
 from deepshard.kernels import loader
-from tests.kernels.nvcc import ptx_entries
+from tests.kernels.support import needs_gpu, ptx_entries
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 APPROX = ["none", "tanh"]
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-NO_GPU = not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None
-needs_gpu = pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU and CuPy "
-                                                "(pip install 'deepshard[cuda13]')")
 
 
 def _inputs(shape, dtype, device="cpu", seed=0):

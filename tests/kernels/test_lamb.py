@@ -3,14 +3,12 @@ kernels, and (on a GPU with CuPy) the kernels against the reference."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from deepshard.kernels.lamb import FusedLamb, fused_lamb_step, lamb_reference
 from deepshard.runtime.optim.lamb import Lamb
-from tests.kernels.nvcc import ptx_entries
+from tests.kernels.support import needs_gpu, ptx_entries
 
 SIZES = (1, 7, 300, 4097)
 CASES = {
@@ -110,16 +108,8 @@ def test_lamb_cu_compiles_with_every_instantiation(arch, tmp_path):
     assert any("lamb_ratio" in e for e in entries)
 
 
-def _gpu_skip() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if importlib.util.find_spec("cupy") is None:
-        return "needs CuPy"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip() is not None, reason=str(_gpu_skip()))
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["default", "eps_inside_sqrt", "clamped_max"])
 def test_kernel_matches_reference_on_gpu(dtype, case):

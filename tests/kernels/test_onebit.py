@@ -3,7 +3,6 @@ GPU and CuPy are) the kernels against the references, bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -13,13 +12,10 @@ import torch
 
 from deepshard.kernels import loader
 from deepshard.kernels import onebit as ob
-from tests.kernels.nvcc import ptx_entries
+from tests.kernels.support import needs_gpu, ptx_entries
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 8, 9, 1000, 4097]
-NO_GPU = not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None
-needs_gpu = pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU and CuPy "
-                                                "(pip install 'deepshard[cuda13]')")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

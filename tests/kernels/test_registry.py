@@ -1,6 +1,6 @@
 """The kernel registry, what ds_report lists from it, and how sources reach the compiler.
 
-Each op's own tests compile its source with nvcc (``tests/kernels/nvcc.py``) and check its
+Each op's own tests compile its source with nvcc (``tests/kernels/support.py``) and check its
 reference against torch.
 """
 

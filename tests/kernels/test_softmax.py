@@ -3,7 +3,6 @@ checks, nvcc on the source, and (where a GPU and CuPy are) the kernels against t
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -12,13 +11,10 @@ import torch
 
 from deepshard.kernels import loader
 from deepshard.kernels import softmax as sm
-from tests.kernels.nvcc import ptx_entries
+from tests.kernels.support import needs_gpu, ptx_entries
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}
-NO_GPU = not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None
-needs_gpu = pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU and CuPy "
-                                                "(pip install 'deepshard[cuda13]')")
 SCALE = 0.37
 
 

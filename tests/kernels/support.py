@@ -1,16 +1,25 @@
-"""nvcc for the kernel tests: compile one source to PTX with its templates instantiated."""
+"""What every kernel test uses: nvcc to PTX, and the marker for tests that need a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+import torch
+
 from deepshard.kernels.registry import CUDA_DIR
 from tests.helpers import require
 
 ARCHS = ("sm_80", "sm_90")
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+    reason="needs a CUDA GPU and CuPy (pip install 'deepshard[cuda13]')")
+"""For the kernel-vs-reference comparisons: they need a GPU and CuPy."""
 
 
 def ptx_entries(source: str, arch: str, tmp_path: Path) -> set[str]:
