@@ -1,0 +1,1 @@
+"""ZeRO: optimizer state, gradients and parameters sharded over the data-parallel ranks."""
