@@ -1,0 +1,289 @@
+"""The (pipe, data, tensor) grid of ranks, and the process groups along its axes.
+
+:class:`Topology` is pure arithmetic over three sizes ``P x D x T``. Ranks are laid out
+as DeepSpeed's ``PipeModelDataParallelTopology`` lays them out: row-major over the axes
+``(pipe, data, tensor)``, so the tensor coordinate varies fastest (tensor-parallel peers
+are adjacent ranks, hence on one node), then data, then pipe::
+
+    rank = (pipe * D + data) * T + tensor
+
+:class:`ProcessGroups` is the one side effect: it creates every group of every axis with
+``torch.distributed.new_group`` (each rank must create all groups, in the same order:
+torch's rule) and keeps the ones this rank belongs to, behind Megatron's ``mpu``
+interface, which DeepSpeed's engine and tensor-parallel code expect.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+from ...errors import UsageError
+
+Axis = Literal["pipe", "data", "tensor"]
+AXES: tuple[Axis, ...] = ("pipe", "data", "tensor")
+"""The axes, slowest-varying first."""
+
+PIPE_KEY = "pipeline.stages"
+TENSOR_KEY = "tensor_parallel.autotp_size"
+
+
+class Coord(NamedTuple):
+    """Where one rank sits in the grid."""
+
+    pipe: int
+    data: int
+    tensor: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A ``pipe x data x tensor`` grid of ``world = pipe * data * tensor`` ranks."""
+
+    pipe: int = 1
+    """Pipeline stages (P)."""
+    data: int = 1
+    """Data-parallel replicas (D)."""
+    tensor: int = 1
+    """Tensor-parallel degree (T)."""
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"topology axis {axis!r} needs a positive int, got {size!r}")
+
+    @classmethod
+    def from_config(cls, world: int, pipe_stages: int = 1, tp_size: int = 1) -> Topology:
+        """The topology of a job of ``world`` ranks: the data axis takes what pipeline and
+        tensor parallelism leave. Raises :class:`UsageError` naming the config keys when
+        ``world`` is not divisible by ``pipe_stages * tp_size``."""
+        for key, value in ((PIPE_KEY, pipe_stages), (TENSOR_KEY, tp_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"must be a positive integer, got {value!r}", where=key,
+                                 hint=f"set {key} to 1 to turn this kind of parallelism off")
+        if world < 1:
+            raise ValueError(f"world size must be positive, got {world}")
+        model = pipe_stages * tp_size
+        if world % model:
+            fits = [d for d in range(1, world + 1) if world % d == 0]
+            raise UsageError(
+                f"world size {world} is not divisible by {PIPE_KEY} ({pipe_stages}) x "
+                f"{TENSOR_KEY} ({tp_size}) = {model}, so no whole number of data-parallel "
+                f"replicas fits", where=f"{PIPE_KEY} x {TENSOR_KEY}",
+                hint=f"pick the two so that their product divides {world} (one of "
+                     f"{', '.join(map(str, fits))}), or launch a multiple of {model} ranks")
+        return cls(pipe=pipe_stages, data=world // model, tensor=tp_size)
+
+    @property
+    def world(self) -> int:
+        """Number of ranks in the grid."""
+        return self.pipe * self.data * self.tensor
+
+    def size(self, axis: Axis) -> int:
+        """The size of ``axis``."""
+        return getattr(self, _checked_axis(axis))
+
+    def rank(self, pipe: int = 0, data: int = 0, tensor: int = 0) -> int:
+        """The global rank at these coordinates."""
+        for axis, value in zip(AXES, (pipe, data, tensor), strict=True):
+            if not 0 <= value < getattr(self, axis):
+                raise ValueError(f"{axis} coordinate {value} outside 0..{getattr(self, axis) - 1}")
+        return (pipe * self.data + data) * self.tensor + tensor
+
+    def coord(self, rank: int) -> Coord:
+        """The coordinates of global ``rank``."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside 0..{self.world - 1}")
+        rest, tensor = divmod(rank, self.tensor)
+        pipe, data = divmod(rest, self.data)
+        return Coord(pipe, data, tensor)
+
+    def axis_groups(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
+        """Every group of ranks that differ only in their ``axis`` coordinate, each in
+        increasing ``axis`` coordinate, groups ordered by their smallest rank. Together
+        they partition the world."""
+        return self._groups((_checked_axis(axis),))
+
+    def model_parallel_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The "model parallel" groups: all ``pipe x tensor`` ranks sharing one data
+        coordinate (one whole replica of the model), as Megatron's ``mpu`` defines them."""
+        return self._groups(("pipe", "tensor"))
+
+    def group_of(self, axis: Axis, rank: int) -> tuple[int, ...]:
+        """The ``axis`` group holding ``rank``."""
+        here = self.coord(rank)
+        ranges = {a: [getattr(here, a)] for a in AXES}
+        ranges[_checked_axis(axis)] = list(range(self.size(axis)))
+        return tuple(self.rank(*c) for c in itertools.product(*(ranges[a] for a in AXES)))
+
+    def stage_rank(self, rank: int, stage: int) -> int:
+        """The rank that holds pipeline ``stage`` for ``rank``'s data and tensor
+        coordinates (``rank``'s peer in its pipe group)."""
+        here = self.coord(rank)
+        return self.rank(stage, here.data, here.tensor)
+
+    def prev_stage_rank(self, rank: int) -> int | None:
+        """The rank ``rank`` receives activations from (and sends gradients to); ``None``
+        on the first stage."""
+        stage = self.coord(rank).pipe
+        return None if stage == 0 else self.stage_rank(rank, stage - 1)
+
+    def next_stage_rank(self, rank: int) -> int | None:
+        """The rank ``rank`` sends activations to (and receives gradients from); ``None``
+        on the last stage."""
+        stage = self.coord(rank).pipe
+        return None if stage == self.pipe - 1 else self.stage_rank(rank, stage + 1)
+
+    def _groups(self, varying: tuple[Axis, ...]) -> tuple[tuple[int, ...], ...]:
+        fixed = [a for a in AXES if a not in varying]
+        groups = []
+        for kept in itertools.product(*(range(self.size(a)) for a in fixed)):
+            ranges: dict[str, Any] = {a: range(self.size(a)) for a in varying}
+            ranges.update({a: (v,) for a, v in zip(fixed, kept, strict=True)})
+            groups.append(tuple(sorted(
+                self.rank(*c) for c in itertools.product(*(ranges[a] for a in AXES)))))
+        return tuple(sorted(groups))
+
+
+def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> Topology:
+    """DeepSpeed's constructor name and argument order, for ported scripts."""
+    return Topology(pipe=num_pp, data=num_dp, tensor=num_mp)
+
+
+def PipeDataParallelTopology(num_pp: int, num_dp: int) -> Topology:
+    """DeepSpeed's constructor name and argument order, for ported scripts."""
+    return Topology(pipe=num_pp, data=num_dp, tensor=1)
+
+
+def _checked_axis(axis: str) -> Axis:
+    if axis not in AXES:
+        raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(AXES)}")
+    return axis  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups in a :class:`Topology`, with Megatron's ``mpu`` methods.
+
+    Build it with :meth:`create` on every rank. Group fields are
+    ``torch.distributed.ProcessGroup`` objects (typed ``Any`` so that this module stays
+    importable for pure use).
+    """
+
+    topology: Topology
+    rank: int
+    pipe_group: Any
+    data_group: Any
+    tensor_group: Any
+    model_group: Any
+
+    @classmethod
+    def create(cls, topology: Topology, rank: int | None = None,
+               new_group: Callable[[list[int]], Any] | None = None) -> ProcessGroups:
+        """Create every group of every axis (a collective call: every rank of the job must
+        call this, with the same topology) and keep this rank's.
+
+        Groups are created in one fixed order, the same on every rank: the pipe groups,
+        the data groups, the tensor groups, then the model-parallel groups, each in
+        :meth:`Topology.axis_groups` order. ``rank`` defaults to
+        ``torch.distributed.get_rank()``; ``new_group`` to ``torch.distributed.new_group``
+        (replaceable in tests).
+        """
+        import torch.distributed as dist
+
+        if rank is None:
+            rank = dist.get_rank()
+        if new_group is None:
+            new_group = dist.new_group
+            world = dist.get_world_size()
+            if world != topology.world:
+                raise UsageError(
+                    f"the job has {world} ranks but the topology {topology.pipe} (pipe) x "
+                    f"{topology.data} (data) x {topology.tensor} (tensor) has {topology.world}",
+                    where=f"{PIPE_KEY} x {TENSOR_KEY}",
+                    hint="build the topology with Topology.from_config(world, ...)")
+        mine: dict[str, Any] = {}
+        plan = [(a, topology.axis_groups(a)) for a in AXES]
+        plan.append(("model", topology.model_parallel_groups()))
+        for name, groups in plan:
+            for ranks in groups:
+                group = new_group(list(ranks))
+                if rank in ranks:
+                    mine[name] = group
+        return cls(topology, rank, mine["pipe"], mine["data"], mine["tensor"], mine["model"])
+
+    @property
+    def coord(self) -> Coord:
+        """This rank's coordinates."""
+        return self.topology.coord(self.rank)
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's pipeline stage."""
+        return self.coord.pipe
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        """Global rank of the previous stage's peer (p2p source of activations)."""
+        return self.topology.prev_stage_rank(self.rank)
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        """Global rank of the next stage's peer (p2p destination of activations)."""
+        return self.topology.next_stage_rank(self.rank)
+
+    # Megatron's mpu interface ------------------------------------------------------------
+
+    def get_data_parallel_group(self) -> Any:
+        return self.data_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.data
+
+    def get_data_parallel_rank(self) -> int:
+        return self.coord.data
+
+    def get_model_parallel_group(self) -> Any:
+        return self.model_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.pipe * self.topology.tensor
+
+    def get_model_parallel_rank(self) -> int:
+        """Position in the model-parallel group (``pipe * T + tensor``)."""
+        return self.coord.pipe * self.topology.tensor + self.coord.tensor
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self.tensor_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.topology.tensor
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.coord.tensor
+
+    def get_pipeline_model_parallel_group(self) -> Any:
+        return self.pipe_group
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.topology.pipe
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.coord.pipe
+
+    # DeepSpeed's PipelineParallelGrid spellings
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+    get_slice_parallel_group = get_tensor_model_parallel_group
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        return self.coord.data
