@@ -69,22 +69,28 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     if rank == 0 and loaded.unimplemented:
         logger.warning("config keys DeepSpeed knows but deepshard does not implement "
                        "(ignored): %s", ", ".join(loaded.unimplemented))
-    if cfg.zero_optimization.stage != 0:
-        raise UsageError(f"ZeRO stage {cfg.zero_optimization.stage} is not implemented yet",
-                         where=f"{loaded.origin}: zero_optimization.stage",
-                         hint="use stage 0 (plain data parallel) for now")
+    stage = cfg.zero_optimization.stage
+    if stage and cfg.optimizer is not None and cfg.optimizer.type == "LAMB":
+        raise UsageError("LAMB cannot run on ZeRO shards: its trust ratio is per parameter, "
+                         "and a shard holds pieces of many", where=f"{loaded.origin}: "
+                         "optimizer.type", hint="use Adam/AdamW with ZeRO, or stage 0 for LAMB")
     device = _device()
     module = _place(model, cfg, device)
     _broadcast_from_rank0(module, group, dp_world)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = tuple(n for n, _ in named), tuple(p for _, p in named)
-    cap = _bucket_elements(params)
-    layouts = plan_buckets([p.shape for p in params], [p.dtype for p in params], cap)
     comm = COMM_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
-    buckets = GradBuckets(params, layouts, group, dp_world, comm, names)
-    half = cfg.fp16.enabled or cfg.bf16.enabled
-    masters = MasterWeights(params, layouts) if half and params else None
-    opt = _optimizer(cfg, optimizer, model_parameters, params, masters)
+    buckets = masters = zero = None
+    if stage:
+        zero, opt, names, params = _zero(cfg, module, optimizer, model_parameters, names,
+                                         params, group, dp_world, dp_rank, comm)
+    else:
+        cap = _bucket_elements(params)
+        layouts = plan_buckets([p.shape for p in params], [p.dtype for p in params], cap)
+        buckets = GradBuckets(params, layouts, group, dp_world, comm, names)
+        half = cfg.fp16.enabled or cfg.bf16.enabled
+        masters = MasterWeights(params, layouts) if half and params else None
+        opt = _optimizer(cfg, optimizer, model_parameters, params, masters)
     sched = _scheduler(cfg, lr_scheduler, opt)
     scaler = build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     profiler = None
@@ -103,7 +109,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             logger.warning("activation_checkpointing: %s", "; ".join(notes))
     engine = DeepShardEngine(EngineParts(
         module=module, config=cfg, params=params, names=names, buckets=buckets,
-        masters=masters, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler, group=group,
+        masters=masters, zero=zero, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler, group=group,
         rank=rank, dp_rank=dp_rank, dp_world=dp_world, device=device,
         profiler_factory=profiler))
     loader = None
@@ -226,6 +232,69 @@ def _optimizer(cfg, client, model_parameters, params, masters):
         for group in client.param_groups:
             group["params"] = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
     return client
+
+
+def _zero(cfg, module, client, model_parameters, names, params, group, world, rank, comm):
+    """Shard the optimizer's parameters (stages 1-3) and build the optimizer over the
+    shards. Returns ``(zero, optimizer, names, params)`` for the sharded parameters."""
+    from .zero.runtime import build_zero
+
+    if cfg.optimizer is not None and client is not None:
+        raise UsageError("an optimizer is given both in the config and as optimizer=",
+                         where="optimizer", hint="remove one of them")
+    if isinstance(client, torch.optim.Optimizer):
+        if client.state:
+            raise UsageError("the client optimizer already has state",
+                             where="initialize(optimizer=...)",
+                             hint="create the optimizer before any step, or let deepshard "
+                                  "build it from the config's optimizer section")
+        source = client.param_groups
+    else:
+        items = list(model_parameters if model_parameters is not None else params)
+        source = items if items and isinstance(items[0], dict) else [{"params": items}]
+    index = {id(p): i for i, p in enumerate(params)}
+    members, owner = [], {}
+    for k, g in enumerate(source):
+        chosen = []
+        for p in g["params"]:
+            i = index.get(id(p))
+            if i is None:
+                continue
+            if i in owner:
+                raise UsageError(f"{names[i]} is in two optimizer param groups",
+                                 where="initialize(model_parameters=...)",
+                                 hint="put every parameter in one group only")
+            owner[i] = k
+            chosen.append(i)
+        members.append(chosen)
+    if (cfg.optimizer is not None or client is not None) and not owner:
+        raise UsageError("the optimizer would have no trainable parameters",
+                         where="initialize(model_parameters=...)",
+                         hint="pass parameters of the model that require grad (or none, "
+                              "for all of them)")
+    kept = sorted(owner)
+    renumber = {i: j for j, i in enumerate(kept)}
+    names, params = tuple(names[i] for i in kept), tuple(params[i] for i in kept)
+    members = [[renumber[i] for i in m] for m in members]
+    zero = build_zero(cfg, module, names, params, members, group, world, rank, comm)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": zero.step_tensors(o)} for o, g in enumerate(source)]
+    if cfg.optimizer is not None:
+        opt = build_optimizer(cfg.optimizer.type, cfg.optimizer.params.model_dump(), groups)
+    elif client is None:
+        opt = None
+    elif isinstance(client, torch.optim.Optimizer):
+        for g, new in zip(client.param_groups, groups, strict=True):
+            g["params"] = new["params"]
+        opt = client
+    elif callable(client):
+        opt = client(groups)
+    else:
+        raise UsageError(f"optimizer= is a {type(client).__name__}",
+                         where="initialize(optimizer=...)",
+                         hint="pass a torch.optim.Optimizer, or a callable that builds one "
+                              "from the parameters")
+    return zero, opt, names, params
 
 
 def _any_tensor(groups) -> bool:

@@ -32,6 +32,7 @@ from ..liveness import heartbeat
 from . import checkpoint as ckpt
 from .buckets import GradBuckets
 from .precision import MasterWeights, clip_, global_norm
+from .zero.runtime import ZeroRuntime
 
 logger = logging.getLogger("deepshard")
 
@@ -54,8 +55,9 @@ class EngineParts:
     config: object
     params: tuple[torch.nn.Parameter, ...]
     names: tuple[str, ...]
-    buckets: GradBuckets
+    buckets: GradBuckets | None
     masters: MasterWeights | None
+    zero: ZeroRuntime | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: object | None
     loss_scaler: object | None
@@ -169,8 +171,12 @@ class DeepShardEngine(torch.nn.Module):
         """Bytes of model states this rank holds: ``params``, ``grads``, ``optimizer``.
 
         ``optimizer`` counts the optimizer's state tensors plus the fp32 master weights
-        (and their gradients) kept for fp16/bf16 training.
+        (and their gradients) kept for fp16/bf16 training. With ZeRO these are this rank's
+        shards (plus replicated parameters and padding), ``nvme`` the bytes offloaded to
+        files; all are what the rank holds between steps.
         """
+        if self._parts.zero is not None:
+            return self._parts.zero.state_bytes(self.optimizer)
         params = sum(t.numel() * t.element_size() for t in self.module.parameters())
         grads = self._parts.buckets.nbytes()
         optimizer = 0
@@ -181,7 +187,7 @@ class DeepShardEngine(torch.nn.Module):
         if self._parts.masters is not None:
             master_params, master_grads = self._parts.masters.nbytes()
             optimizer += master_params + master_grads
-        return {"params": params, "grads": grads, "optimizer": optimizer}
+        return {"params": params, "grads": grads, "optimizer": optimizer, "nvme": 0}
 
     # -- training ------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -209,7 +215,7 @@ class DeepShardEngine(torch.nn.Module):
                              hint="compute the loss from engine(...) outputs in train mode, "
                                   "outside torch.no_grad()")
         boundary = self.is_gradient_accumulation_boundary()
-        buckets = self._parts.buckets
+        buckets = self._parts.buckets if self._parts.zero is None else self._parts.zero
         gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = 1.0 / (gas * self.dp_world_size)
         if self.loss_scaler is not None:
@@ -218,8 +224,11 @@ class DeepShardEngine(torch.nn.Module):
         try:
             (loss.float() * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         finally:
-            buckets.end_backward()
-        if boundary:
+            if self._parts.zero is not None:
+                self._parts.zero.end_backward(boundary)
+            else:
+                buckets.end_backward()
+        if boundary and self._parts.zero is None:
             buckets.finish()
         heartbeat(self.counters.global_steps)
         return loss / gas if gas != 1 else loss
@@ -236,7 +245,7 @@ class DeepShardEngine(torch.nn.Module):
                                   "optimizer= to deepshard.initialize()")
         started = time.perf_counter()
         self._step_applied = self._apply()
-        self._parts.buckets.zero()
+        self._zero_grads()
         c = self.counters
         c.micro_steps += 1
         c.global_steps += 1
@@ -246,15 +255,18 @@ class DeepShardEngine(torch.nn.Module):
 
     def _apply(self) -> bool:
         parts, cfg = self._parts, self._config
-        if parts.masters is not None:
-            inv = 1.0 / self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+        zero = parts.zero
+        inv = 1.0 / self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+        if zero is not None:
+            grads = zero.stepper.load_grads(zero.grads.shard_grads(), inv)
+        elif parts.masters is not None:
             parts.masters.load_grads(parts.buckets.buffers, inv)
             grads = parts.masters.grad_flats
         else:
             grads = parts.buckets.buffers
         self._grad_norm = None
         if cfg.gradient_clipping > 0 or self.loss_scaler is not None:
-            norm = global_norm(grads)
+            norm = zero.stepper.global_norm(grads) if zero is not None else global_norm(grads)
             self._grad_norm = float(norm)
             if self.loss_scaler is not None:
                 overflow = not math.isfinite(self._grad_norm)
@@ -269,7 +281,11 @@ class DeepShardEngine(torch.nn.Module):
                     return False
             if cfg.gradient_clipping > 0:
                 clip_(grads, norm, cfg.gradient_clipping)
-        self.optimizer.step()
+        if zero is not None:
+            zero.stepper.step(self.optimizer)
+            zero.stepper.update_model()
+        else:
+            self.optimizer.step()
         if parts.masters is not None:
             parts.masters.copy_to_model()
         if self.lr_scheduler is not None:
@@ -279,7 +295,13 @@ class DeepShardEngine(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (always in place: they live in the communication buckets)."""
         del set_to_none
-        self._parts.buckets.zero()
+        self._zero_grads()
+
+    def _zero_grads(self) -> None:
+        if self._parts.zero is not None:
+            self._parts.zero.zero()
+        else:
+            self._parts.buckets.zero()
 
     def _report(self, step_seconds: float) -> None:
         if self.global_rank != 0:
@@ -382,7 +404,7 @@ class DeepShardEngine(torch.nn.Module):
             own_file = path / ckpt.rank_file(self.global_rank)
             if own_file.exists():
                 ckpt.set_rng_states(ckpt.load_file(path, own_file.name)["rng"])
-        parts.buckets.zero()
+        self._zero_grads()
         self._barrier()
         return str(path), shared["client_state"]
 

@@ -1,0 +1,119 @@
+"""One ZeRO rank's machinery, assembled: flat groups, the stage's gradient reduction,
+stage 3's parameter coordinator and the shard stepper; what the engine calls.
+
+:func:`build_zero` plans and builds it (``deepshard.initialize`` calls it for stages 1-3);
+:class:`ZeroRuntime` exposes the handful of operations the engine sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import DEFAULT_BUCKET_BYTES
+from .flat import FlatGroup
+from .optimizer import OffloadSpec, ShardStepper
+from .partition import layout, plan_groups
+from .stage1 import Stage1Grads
+from .stage2 import Stage2Grads
+from .stage3 import ParamCoordinator, Unit, plan_units
+
+
+@dataclass
+class ZeroRuntime:
+    """What the engine drives at ZeRO stages 1-3."""
+
+    stage: int
+    groups: list[FlatGroup]
+    grads: Stage1Grads | Stage2Grads
+    stepper: ShardStepper
+    coordinator: ParamCoordinator | None
+    opt_groups: list[list[int]]  # flat group indices per optimizer param group
+    frozen_bytes: int
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.grads.begin_backward(boundary)
+
+    def end_backward(self, boundary: bool) -> None:
+        """After autograd: stage 1 waits for its reductions at a boundary; stages 2-3
+        reduced during backward and fold the results now."""
+        self.grads.end_backward()
+        if self.stage == 1 and boundary:
+            self.grads.finish()
+        if self.coordinator is not None:
+            self.coordinator.end_backward()
+
+    def zero(self) -> None:
+        self.grads.zero()
+
+    def step_tensors(self, opt_group: int) -> list[torch.Tensor]:
+        """What the optimizer steps for one of its param groups."""
+        return [self.stepper.step_tensors[k] for k in self.opt_groups[opt_group]]
+
+    def state_bytes(self, optimizer) -> dict[str, int]:
+        """Bytes this rank holds between steps (see ``engine.state_bytes``)."""
+        params = self.frozen_bytes + sum(g.nbytes_params() for g in self.groups)
+        held = self.stepper.nbytes(optimizer)
+        return {"params": params, "grads": self.grads.nbytes(),
+                "optimizer": held["optimizer"], "nvme": held["nvme"]}
+
+    def close(self) -> None:
+        self.grads.remove()
+        if self.coordinator is not None:
+            self.coordinator.remove()
+        self.stepper.close()
+
+
+def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
+               params: Sequence[torch.nn.Parameter], opt_members: Sequence[Sequence[int]],
+               pg: dist.ProcessGroup | None, world: int, rank: int,
+               comm_dtype: torch.dtype | None) -> ZeroRuntime:
+    """Shard ``params`` (trainable, registration order; ``opt_members`` lists the indices
+    of each optimizer param group) the way ``cfg.zero_optimization`` asks."""
+    z = cfg.zero_optimization
+    stage = z.stage
+    size = params[0].element_size() if params else 4
+    # buckets no bigger than DDP's, so that reduction overlaps backward (DeepSpeed's
+    # default reduce_bucket_size, 5e8, would make one bucket reduced after backward)
+    cap = max(1, min(z.reduce_bucket_size, DEFAULT_BUCKET_BYTES // size))
+    numels = [p.numel() for p in params]
+    units_plan, unit_members = None, ()
+    if stage == 3:
+        units_plan = plan_units(module, names)
+        index = {n: i for i, n in enumerate(names)}
+        unit_members = [[index[n] for n in members] for members in units_plan.params]
+    plans = plan_groups(numels, [p.dtype for p in params], opt_members, cap, unit_members,
+                        z.stage3_param_persistence_threshold if stage == 3 else 0)
+    groups = []
+    for plan in plans:
+        flat = layout(plan.params, [numels[i] for i in plan.params])
+        g = FlatGroup([params[i] for i in plan.params], [names[i] for i in plan.params],
+                      flat, world, rank, pg, plan.partitioned)
+        for p in g.params:
+            p.ds_group = g
+        groups.append(g)
+    coordinator = None
+    if stage == 3:
+        units = [Unit(u, module.get_submodule(name),
+                      [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u])
+                 for u, name in enumerate(units_plan.modules)]
+        coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
+                                       z.stage3_prefetch_bucket_size,
+                                       z.stage3_max_live_parameters)
+    if stage == 1:
+        grads = Stage1Grads(params, groups, pg, world, comm_dtype, names)
+    else:
+        grads = Stage2Grads(params, groups, pg, world, comm_dtype, names, z.overlap_comm,
+                            cap, coordinator.on_grads_staged if coordinator else None)
+    half = cfg.fp16.enabled or cfg.bf16.enabled
+    stepper = ShardStepper(groups, half, OffloadSpec.from_config(z.offload_optimizer), pg,
+                           world, rank)
+    opt_groups = [[k for k, plan in enumerate(plans) if plan.opt_group == o]
+                  for o in range(len(opt_members))]
+    trainable = {id(p) for p in params}
+    frozen = sum(p.numel() * p.element_size() for p in module.parameters()
+                 if id(p) not in trainable)
+    return ZeroRuntime(stage, groups, grads, stepper, coordinator, opt_groups, frozen)

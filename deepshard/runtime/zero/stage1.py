@@ -1,0 +1,42 @@
+"""ZeRO stage 1: optimizer state (and fp32 masters) sharded; gradients kept whole.
+
+Gradients accumulate, as at stage 0, straight into full flat buffers (each parameter's
+``.grad`` is a view); at an accumulation boundary each group's buffer is reduce-scattered
+*in place* from the post-accumulate-grad hook of its last parameter, overlapping the rest
+of backward, so that this rank's slice holds the averaged gradients of its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import BucketLayout, GradBuckets
+from .flat import FlatGroup
+
+
+class Stage1Grads(GradBuckets):
+    """Full gradient buffers, one per flat group, reduce-scattered at boundaries."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[FlatGroup],
+                 pg: dist.ProcessGroup | None, world: int,
+                 comm_dtype: torch.dtype | None = None, names: Sequence[str] = ()):
+        self.groups = list(groups)
+        layouts = [BucketLayout(g.flat.params, g.flat.offsets, g.spec.padded, g.dtype)
+                   for g in self.groups]
+        super().__init__(params, layouts, pg, world, comm_dtype, names)
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's slice of every group's (reduced) gradients."""
+        return [buf[g.lo:g.hi] for buf, g in zip(self.buffers, self.groups, strict=True)]
+
+    def _launch(self, b: int) -> None:
+        if self.world == 1:
+            return
+        buf, g = self.buffers[b], self.groups[b]
+        wire = buf if self.comm_dtype in (None, buf.dtype) else buf.to(self.comm_dtype)
+        work = dist.reduce_scatter_tensor(wire[g.lo:g.hi], wire, group=self.group,
+                                          async_op=True)
+        self._works.append((work, wire, b))

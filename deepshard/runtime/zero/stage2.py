@@ -1,0 +1,186 @@
+"""ZeRO stage 2: gradients reduce-scattered into their shards during backward.
+
+No full gradient buffer survives a backward. When a parameter's gradient is final (its
+post-accumulate-grad hook), it is copied into its flat group's *staging* buffer and the
+parameter's ``.grad`` is dropped; when every member of a group has arrived, the staging
+buffer is reduce-scattered in place, asynchronously, while autograd goes on. Completed
+reductions are added into the rank's gradient shard (accumulating over micro-batches, as
+DeepSpeed's stage 2 does: it reduces at every micro-step), and the staging buffer goes back
+to a small pool (``overlap_comm``: two buffers in flight, else one).
+
+Stage 3 uses the same machinery, with a callback telling it when a group's gradients are
+all staged, so that it can release the group's gathered parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...errors import UsageError
+from .flat import FlatGroup
+
+
+class StagingPool:
+    """Reusable staging buffers of ``capacity`` elements per dtype (``depth`` of them);
+    beyond that, temporary ones."""
+
+    def __init__(self, capacity: int, depth: int, device: torch.device):
+        self.capacity, self.depth, self.device = capacity, depth, device
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._made: dict[torch.dtype, int] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A buffer of ``numel`` elements, or ``None`` when the pool is exhausted."""
+        if numel > self.capacity:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        free = self._free.setdefault(dtype, [])
+        if free:
+            return free.pop()[:numel]
+        if self._made.get(dtype, 0) < self.depth:
+            self._made[dtype] = self._made.get(dtype, 0) + 1
+            return torch.empty(self.capacity, dtype=dtype, device=self.device)[:numel]
+        return None
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer obtained from :meth:`take` (temporary ones are just dropped)."""
+        base = buf._base if buf._base is not None else buf
+        if base.numel() == self.capacity:
+            self._free.setdefault(buf.dtype, []).append(base)
+
+
+class Stage2Grads:
+    """Gradient shards of ``groups`` filled by reduce-scatter during every backward."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[FlatGroup],
+                 pg: dist.ProcessGroup | None, world: int, comm_dtype: torch.dtype | None,
+                 names: Sequence[str], overlap_comm: bool, bucket_elements: int,
+                 on_complete: Callable[[int], None] | None = None):
+        self.params = list(params)
+        self.groups = list(groups)
+        self.names = tuple(names)
+        self.pg, self.world, self.comm_dtype = pg, world, comm_dtype
+        self.on_complete = on_complete
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.shards = [torch.zeros(g.spec.shard, dtype=g.dtype, device=device)
+                       for g in self.groups]
+        largest = max((g.spec.padded for g in self.groups), default=0)
+        self.pool = StagingPool(min(max(bucket_elements, 1), largest) or 1,
+                                2 if overlap_comm else 1, device)
+        self.group_of: dict[int, tuple[int, int]] = {}
+        for gi, g in enumerate(self.groups):
+            for i, off in zip(g.flat.params, g.flat.offsets, strict=True):
+                self.group_of[i] = (gi, off)
+        self._staging: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._pending = [len(g.params) for g in self.groups]
+        self._seen = [False] * len(self.params)
+        self._works: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []
+        self._active = False
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            lambda param, i=i: self._on_grad(param, i))
+            for i, p in enumerate(self.params) if i in self.group_of]
+
+    # the engine's side -------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        """Called before each backward (every backward reduces at stage 2)."""
+        del sync
+        self._active = True
+
+    def end_backward(self) -> None:
+        """Called after each backward: reduce what never got a gradient, wait for all."""
+        self._active = False
+        self.finish()
+
+    def finish(self) -> None:
+        """Launch the groups still open (missing gradients count as zero) and fold every
+        reduction into the shards."""
+        for gi in range(len(self.groups)):
+            if self._staging[gi] is not None or self._pending[gi] < len(self.groups[gi].params):
+                self._launch(gi)
+        while self._works:
+            self._fold_oldest()
+        self._pending = [len(g.params) for g in self.groups]
+        self._seen = [False] * len(self.params)
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient shard of every group."""
+        return self.shards
+
+    def zero(self) -> None:
+        """Zero the gradient shards."""
+        if self.shards:
+            torch._foreach_zero_(self.shards)
+        for p in self.params:
+            p.grad = None
+
+    def nbytes(self) -> int:
+        """Bytes of gradient shards held between steps."""
+        return sum(s.numel() * s.element_size() for s in self.shards)
+
+    def remove(self) -> None:
+        """Unregister the hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # hooks ---------------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor, i: int) -> None:
+        if not self._active:
+            raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
+                             where="loss.backward()",
+                             hint="call engine.backward(loss) instead: it scales the loss "
+                                  "and reduces the gradients across ranks")
+        if self._seen[i]:
+            raise UsageError(f"{self.names[i]} got its gradient twice in one backward",
+                             where="engine.backward",
+                             hint="use torch.utils.checkpoint with use_reentrant=False, and "
+                                  "do not reuse a parameter across reentrant checkpoints")
+        self._seen[i] = True
+        gi, off = self.group_of[i]
+        staging = self._staging_of(gi)
+        grad = param.grad
+        staging[off:off + grad.numel()].copy_(grad.reshape(-1))
+        param.grad = None
+        self._pending[gi] -= 1
+        if self._pending[gi] == 0:
+            self._launch(gi)
+
+    def _staging_of(self, gi: int) -> torch.Tensor:
+        buf = self._staging[gi]
+        if buf is None:
+            g = self.groups[gi]
+            buf = self.pool.take(g.spec.padded, g.dtype)
+            while buf is None and self._works:
+                self._fold_oldest()
+                buf = self.pool.take(g.spec.padded, g.dtype)
+            if buf is None:
+                buf = torch.empty(g.spec.padded, dtype=g.dtype, device=g.device)
+            # padding, and members that get no gradient this backward, reduce as zeros
+            buf.zero_()
+            self._staging[gi] = buf
+        return buf
+
+    def _launch(self, gi: int) -> None:
+        staging = self._staging_of(gi)
+        self._staging[gi] = None
+        self._pending[gi] = 0
+        g = self.groups[gi]
+        wire = staging if self.comm_dtype in (None, staging.dtype) \
+            else staging.to(self.comm_dtype)
+        work = None
+        if self.world > 1:
+            work = dist.reduce_scatter_tensor(wire[g.lo:g.hi], wire, group=self.pg,
+                                              async_op=True)
+        self._works.append((work, wire, staging, gi))
+        if self.on_complete is not None:
+            self.on_complete(gi)
+
+    def _fold_oldest(self) -> None:
+        work, wire, staging, gi = self._works.pop(0)
+        if work is not None:
+            work.wait()
+        g = self.groups[gi]
+        self.shards[gi].add_(wire[g.lo:g.hi])
+        self.pool.give(staging)

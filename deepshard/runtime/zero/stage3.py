@@ -1,0 +1,268 @@
+"""ZeRO stage 3: parameters sharded too, gathered per module around its use.
+
+Units. The model is cut into *units*: every module held in a ``ModuleList``/``Sequential``
+(the repeated layers of a transformer; the outermost such modules) is one, and the root
+module is one more, owning every parameter no other unit owns (embeddings, final norm,
+head; and any parameter shared by two units, such as tied weights). When a model has no
+such container, the root's direct children that hold parameters are the units.
+
+Lifecycle of a unit's partitioned parameters:
+
+- forward pre-hook: gather (all-gather of the shards into a full buffer; the parameters'
+  ``.data`` become views of it), then prefetch the next units in the recorded order, up to
+  ``stage3_prefetch_bucket_size`` elements ahead, within ``stage3_max_live_parameters``;
+- forward post-hook: release (drop the full buffer), and hook the outputs so that the
+  unit is gathered again when backward reaches it (prefetching earlier units);
+- when backward has produced all of a unit's gradients (stage 2's callback): release.
+
+Parameters smaller than ``stage3_param_persistence_threshold`` elements are not
+partitioned (as in DeepSpeed): they live in replicated groups on every rank, while their
+gradients and optimizer state are still sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .flat import FlatGroup
+
+CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """The units of a model: for each, its module's qualified name and the names of the
+    parameters it owns (pure result of :func:`plan_units`)."""
+
+    modules: tuple[str, ...]
+    params: tuple[tuple[str, ...], ...]
+
+
+def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
+    """Cut ``model`` into units (see the module docstring); ``trainable`` are the names of
+    the parameters to shard, as ``named_parameters()`` gives them."""
+    unit_names = [name for name, m in model.named_modules()
+                  if name and _in_container(model, name) and not isinstance(m, CONTAINERS)]
+    unit_names = [n for n in unit_names
+                  if not any(n.startswith(o + ".") for o in unit_names if o != n)]
+    if not unit_names:
+        unit_names = [name for name, child in model.named_children()
+                      if any(True for _ in child.parameters())]
+    owners: dict[int, set[str]] = {}
+    for unit in unit_names:
+        for _, p in model.get_submodule(unit).named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(unit)
+    by_unit: dict[str, list[str]] = {n: [] for n in ["", *unit_names]}
+    named = dict(model.named_parameters())
+    for name in trainable:
+        units = owners.get(id(named[name]), set())
+        by_unit[next(iter(units)) if len(units) == 1 else ""].append(name)
+    order = ["", *unit_names]
+    return UnitPlan(tuple(order), tuple(tuple(by_unit[n]) for n in order))
+
+
+def _in_container(model: torch.nn.Module, name: str) -> bool:
+    parent = name.rpartition(".")[0]
+    return isinstance(model.get_submodule(parent), CONTAINERS)
+
+
+class Unit:
+    """One unit: its module and the partitioned flat groups it owns."""
+
+    def __init__(self, index: int, module: torch.nn.Module, groups: Sequence[FlatGroup]):
+        self.index, self.module, self.groups = index, module, list(groups)
+        self.numel = sum(g.spec.padded for g in self.groups)
+        self.pending_grads = len(self.groups)
+
+    @property
+    def gathered(self) -> bool:
+        return all(g.full is not None for g in self.groups)
+
+    def gather(self, async_op: bool = False) -> None:
+        for g in self.groups:
+            g.gather(async_op=True)
+        if not async_op:
+            for g in self.groups:
+                g.wait()
+
+    def release(self) -> None:
+        for g in self.groups:
+            g.release()
+
+
+class ParamCoordinator:
+    """Gathers and releases stage 3 units around forward and backward (see the module
+    docstring). ``group_unit[k]`` is the unit of flat group ``k`` (``None``: replicated)."""
+
+    def __init__(self, units: Sequence[Unit], group_unit: Sequence[int | None],
+                 prefetch_elements: int, max_live_elements: int):
+        self.units = list(units)
+        self.group_unit = list(group_unit)
+        self.prefetch_elements, self.max_live = prefetch_elements, max_live_elements
+        self.trace: list[int] = []
+        self._recording = True
+        self._cursor = 0
+        self._hooks: list[RemovableHandle] = []
+        if self.units:  # units[0] is the root: a forward starts the recorded order again
+            self._hooks.append(self.units[0].module.register_forward_pre_hook(
+                lambda m, args: None if _in_backward() else self.begin_forward()))
+        for unit in self.units:
+            if unit.groups:
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda m, args, u=unit: self._pre_forward(u)))
+                self._hooks.append(unit.module.register_forward_hook(
+                    lambda m, args, out, u=unit: self._post_forward(u, out)))
+
+    # forward ---------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit) -> None:
+        if _in_backward():
+            unit.gather()  # activation checkpointing recomputes inside backward
+            return
+        unit.gather()
+        if self._recording:
+            self.trace.append(unit.index)
+        else:
+            self._prefetch(self._advance(unit.index), +1)
+
+    def _post_forward(self, unit: Unit, out) -> None:
+        if _in_backward():
+            return
+        if torch.is_grad_enabled():
+            hooked = False
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+                    hooked = True
+            if hooked:
+                unit.pending_grads = len(unit.groups)
+        unit.release()
+
+    # backward --------------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.gather()
+        if not self._recording:
+            self._prefetch(self._retreat(unit.index), -1)
+
+    def on_grads_staged(self, group_index: int) -> None:
+        """Stage 2's callback: every gradient of flat group ``group_index`` is staged."""
+        u = self.group_unit[group_index]
+        if u is None:
+            return
+        unit = self.units[u]
+        unit.pending_grads -= 1
+        if unit.pending_grads <= 0:
+            unit.release()
+
+    def end_backward(self) -> None:
+        """After a backward: nothing stays gathered; the first pass fixes the order."""
+        for unit in self.units:
+            unit.release()
+        if self.trace:
+            self._recording = False
+        self._cursor = len(self.trace)
+
+    def begin_forward(self) -> None:
+        """Before a forward: prefetching follows the recorded order from its start."""
+        self._cursor = 0
+
+    # prefetch --------------------------------------------------------------------------
+    def _advance(self, index: int) -> int | None:
+        for pos in range(self._cursor, len(self.trace)):
+            if self.trace[pos] == index:
+                self._cursor = pos + 1
+                return pos
+        return None
+
+    def _retreat(self, index: int) -> int | None:
+        for pos in range(min(self._cursor, len(self.trace)) - 1, -1, -1):
+            if self.trace[pos] == index:
+                self._cursor = pos
+                return pos
+        return None
+
+    def _prefetch(self, pos: int | None, direction: int) -> None:
+        if pos is None or not self.prefetch_elements:
+            return
+        live = sum(u.numel for u in self.units if u.gathered)
+        budget = self.prefetch_elements
+        nxt = pos + direction
+        while 0 <= nxt < len(self.trace) and budget > 0:
+            unit = self.units[self.trace[nxt]]
+            if not unit.gathered:
+                if live + unit.numel > self.max_live or unit.numel > budget:
+                    break
+                unit.gather(async_op=True)
+                live += unit.numel
+                budget -= unit.numel
+            nxt += direction
+
+    def remove(self) -> None:
+        """Unregister the hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(out) -> Iterable[torch.Tensor]:
+    if torch.is_tensor(out):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+class GatheredParameters(contextlib.AbstractContextManager):
+    """DeepSpeed's ``zero.GatheredParameters``: inside the block, the given ZeRO-3
+    parameters are whole on every rank; with ``modifier_rank``, that rank's changes are
+    broadcast and written back into every rank's shard (and fp32 master) on exit.
+
+    Parameters that are not partitioned (stages 0-2, or small persistent ones) are left as
+    they are, as in DeepSpeed; with ``modifier_rank`` their groups are still synchronised.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
+                 enabled: bool = True):
+        del fwd_module  # DeepSpeed's argument for external parameters; not needed here
+        if torch.is_tensor(params):
+            params = [params]
+        self.params = list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self.groups: list[FlatGroup] = []
+        self._was_gathered: list[bool] = []
+
+    def __enter__(self):
+        seen: set[int] = set()
+        for p in self.params:
+            g = getattr(p, "ds_group", None)
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                self.groups.append(g)
+        self._was_gathered = [g.gathered for g in self.groups]
+        for g in self.groups:
+            g.gather()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.modifier_rank is not None and exc[0] is None:
+            with torch.no_grad():
+                for g in self.groups:
+                    g.broadcast_full(self.modifier_rank)
+                    sync = getattr(g, "on_modified", None)
+                    if sync is not None:
+                        sync()
+        for g, was in zip(self.groups, self._was_gathered, strict=True):
+            if not was:
+                g.release()
+        return None
