@@ -93,9 +93,9 @@ def test_from_config_names_keys_and_arithmetic():
     assert "pipeline.stages" in text and "tensor_parallel.autotp_size" in text
     assert "world size 6 is not divisible by" in text and "(4) x" in text and "= 4" in text
     assert "1, 2, 3, 6" in text  # the products that would fit
-    with pytest.raises(UsageError, match="tensor_parallel.autotp_size: must be a positive"):
+    with pytest.raises(UsageError, match=r"tensor_parallel\.autotp_size: must be a positive"):
         Topology.from_config(4, pipe_stages=1, tp_size=0)
-    with pytest.raises(UsageError, match="pipeline.stages: must be a positive"):
+    with pytest.raises(UsageError, match=r"pipeline\.stages: must be a positive"):
         Topology.from_config(4, pipe_stages=-2)
 
 
