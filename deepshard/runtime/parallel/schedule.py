@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 __all__ = [
-    "Action", "Backward", "Event", "Forward", "LoadMicroBatch", "OptimizerStep",
+    "Action", "Backward", "Event", "Forward", "LoadMicroBatch", "MicroBatchAction",
+    "OptimizerStep",
     "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "ScheduleDeadlock",
     "ScheduleError", "SendActivation", "SendGrad", "Timeline", "bubble_fraction",
     "one_f_one_b", "simulate",
@@ -107,12 +109,12 @@ class OptimizerStep(Action):
 
 
 # The peer of each communication action (stage offset) and the action it pairs with.
-_PEER: dict[type[Action], tuple[int, type[Action]]] = {
+_PEER: Mapping[type[Action], tuple[int, type[Action]]] = MappingProxyType({
     SendActivation: (+1, RecvActivation),
     RecvActivation: (-1, SendActivation),
     RecvGrad: (+1, SendGrad),
     SendGrad: (-1, RecvGrad),
-}
+})
 
 
 def _check_counts(stages: int, micro_batches: int) -> None:
@@ -222,7 +224,7 @@ class Timeline:
         return tuple(e for e in self.events if e.stage == stage)
 
 
-DEFAULT_COST: Mapping[type[Action], float] = {Forward: 1.0, Backward: 1.0}
+DEFAULT_COST: Mapping[type[Action], float] = MappingProxyType({Forward: 1.0, Backward: 1.0})
 
 
 def simulate(schedules: Sequence[Sequence[Action]],

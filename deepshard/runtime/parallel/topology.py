@@ -168,7 +168,9 @@ def _checked_axis(axis: str) -> Axis:
 class ProcessGroups:
     """This rank's process groups in a :class:`Topology`, with Megatron's ``mpu`` methods.
 
-    Build it with :meth:`create` on every rank. Group fields are
+    Build it with :meth:`create` on every rank. The ``get_*`` methods are Megatron's
+    ``mpu`` interface (and DeepSpeed's ``PipelineParallelGrid`` spellings): pass this
+    object where DeepSpeed code expects ``mpu``. Group fields are
     ``torch.distributed.ProcessGroup`` objects (typed ``Any`` so that this module stays
     importable for pure use).
     """
