@@ -109,8 +109,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             logger.warning("activation_checkpointing: %s", "; ".join(notes))
     engine = DeepShardEngine(EngineParts(
         module=module, config=cfg, params=params, names=names, buckets=buckets,
-        masters=masters, zero=zero, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler, group=group,
-        rank=rank, dp_rank=dp_rank, dp_world=dp_world, device=device,
+        masters=masters, zero=zero, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler,
+        group=group, rank=rank, dp_rank=dp_rank, dp_world=dp_world, device=device,
         profiler_factory=profiler))
     loader = None
     if training_data is not None:

@@ -6,7 +6,8 @@ Layout of ``<save_dir>``::
     <tag>/manifest.json         world size, ZeRO stage, dtypes, step, deepshard version, files
     <tag>/model_states.pt       what every rank shares (stage 0: module, fp32 masters,
                                 optimizer, scheduler, loss scaler, counters, client_state)
-    <tag>/rank_00000.pt ...     what each rank alone holds (RNG states; ZeRO shards later)
+    <tag>/rank_00000.pt ...     what each rank alone holds (RNG states; ZeRO: its shards,
+                                see ``zero/checkpoint.py``)
 
 Saving writes everything into ``.<tag>.partial``, then the manifest, fsyncs, and renames the
 directory to ``<tag>``; only then is ``latest`` replaced. A process killed at any point
@@ -237,11 +238,19 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
 
     Floating tensors come from the fp32 master weights when the job kept them, else from the
     module's own values cast to fp32; other tensors (e.g. integer buffers) are unchanged.
+    ZeRO checkpoints (any stage) are consolidated from every rank's shards.
     """
     manifest = resolve_tag(checkpoint_dir, tag)
     if manifest is None:
         raise UsageError("no complete checkpoint", where=str(checkpoint_dir),
                          hint="pass the directory given to engine.save_checkpoint()")
-    shared = load_file(Path(checkpoint_dir) / manifest.tag, SHARED_FILE)
+    tag_dir = Path(checkpoint_dir) / manifest.tag
+    shared = load_file(tag_dir, SHARED_FILE)
+    if manifest.zero_stage == 0:
+        values = full_precision(shared)
+    else:
+        from .zero.checkpoint import read_by_name
+
+        values = read_by_name(tag_dir, manifest, shared).values
     return {name: value.float() if torch.is_floating_point(value) else value
-            for name, value in full_precision(shared).items()}
+            for name, value in values.items()}

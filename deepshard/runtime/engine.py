@@ -32,6 +32,7 @@ from ..liveness import heartbeat
 from . import checkpoint as ckpt
 from .buckets import GradBuckets
 from .precision import MasterWeights, clip_, global_norm
+from .zero import checkpoint as zsave
 from .zero.runtime import ZeroRuntime
 
 logger = logging.getLogger("deepshard")
@@ -336,31 +337,66 @@ class DeepShardEngine(torch.nn.Module):
         """
         del exclude_frozen_parameters  # frozen parameters are part of the module's state
         tag = ckpt.check_tag(tag if tag is not None else f"global_step{self.global_steps}")
-        parts = self._parts
+        parts, zero = self._parts, self._parts.zero
         heartbeat(self.counters.global_steps)
+        if zero is not None:
+            zero.stepper.swap_in_all(self.optimizer)
         shared = None
         if self.global_rank == 0:
             shared = {
-                "module": self.module.state_dict(),
+                "module": self._module_state(),
                 "fp32_masters": self._masters_by_name() if parts.masters else None,
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "optimizer": self._optimizer_state(),
+                "optimizer_names": self._optimizer_names() if zero is None else None,
+                "aliases": zsave.aliases(self.module),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
                 "counters": vars(self.counters).copy(),
                 "client_state": dict(client_state or {}),
             }
+        own = {"rng": ckpt.rng_states()}
+        if zero is not None:
+            own["zero"] = zsave.shard_payload(zero, self.optimizer)
         manifest = ckpt.Manifest(
             tag=tag, world_size=self.dp_world_size, zero_stage=self.zero_optimization_stage(),
             param_dtype=str(parts.params[0].dtype if parts.params else torch.float32),
-            master_dtype="torch.float32" if parts.masters else None,
+            master_dtype="torch.float32" if parts.masters or (
+                zero is not None and any(zero.stepper.separate)) else None,
             global_steps=self.global_steps, deepshard_version=__version__,
             files=(ckpt.SHARED_FILE, *(ckpt.rank_file(r) for r in range(self.dp_world_size))),
             created_unix=ckpt.now())
-        ckpt.save(save_dir, manifest, rank=self.global_rank, shared=shared,
-                  own={"rng": ckpt.rng_states()}, barrier=self._barrier,
-                  save_latest=save_latest)
+        ckpt.save(save_dir, manifest, rank=self.global_rank, shared=shared, own=own,
+                  barrier=self._barrier, save_latest=save_latest)
+        if zero is not None:
+            zero.stepper.swap_out_all(self.optimizer)
         heartbeat(self.counters.global_steps)
         return True
+
+    def _module_state(self) -> dict:
+        """The module's state dict; with ZeRO without the sharded parameters (their values
+        are in the rank files)."""
+        state = self.module.state_dict()
+        if self._parts.zero is not None:
+            owned = zsave.owned_names(self._parts.zero, self.module)
+            state = {k: v for k, v in state.items() if k not in owned}
+        return state
+
+    def _optimizer_state(self) -> dict | None:
+        if self.optimizer is None:
+            return None
+        state = self.optimizer.state_dict()
+        if self._parts.zero is not None:
+            state = {"state": {}, "param_groups": state["param_groups"]}
+        return state
+
+    def _optimizer_names(self) -> list[str]:
+        """The parameter name of every position in the optimizer's state dict."""
+        if self.optimizer is None:
+            return []
+        parts = self._parts
+        tensors = parts.masters.masters if parts.masters is not None else parts.params
+        by_id = {id(t): n for t, n in zip(tensors, parts.names, strict=True)}
+        return [by_id.get(id(p), "") for g in self.optimizer.param_groups for p in g["params"]]
 
     def _masters_by_name(self) -> dict[str, torch.Tensor]:
         """fp32 masters keyed by every name of their parameter (tied weights: all aliases)."""
@@ -383,6 +419,11 @@ class DeepShardEngine(torch.nn.Module):
             return None, None
         path = Path(load_dir) / manifest.tag
         shared = ckpt.load_file(path, ckpt.SHARED_FILE)
+        if self._parts.zero is not None or manifest.zero_stage != 0:
+            self._load_by_name(path, manifest, shared, load_module_strict,
+                               load_optimizer_states and not load_module_only)
+            self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
+            return str(path), shared["client_state"]
         # fp32 values wherever the checkpoint has them (its masters), whatever precision
         # either run trains in; load_state_dict casts them to the module's dtypes
         full = ckpt.full_precision(shared)
@@ -393,9 +434,15 @@ class DeepShardEngine(torch.nn.Module):
                 for name, p, m in zip(parts.names, parts.params, parts.masters.masters,
                                       strict=True):
                     m.copy_(full[name] if name in full else p.detach())
+        if not load_module_only and load_optimizer_states and self.optimizer \
+                and shared["optimizer"]:
+            self.optimizer.load_state_dict(shared["optimizer"])
+        self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
+        return str(path), shared["client_state"]
+
+    def _load_rest(self, path: Path, shared, load_lr_scheduler_states: bool,
+                   load_module_only: bool) -> None:
         if not load_module_only:
-            if load_optimizer_states and self.optimizer and shared["optimizer"]:
-                self.optimizer.load_state_dict(shared["optimizer"])
             if load_lr_scheduler_states and self.lr_scheduler and shared["lr_scheduler"]:
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
             if self.loss_scaler and shared["loss_scaler"]:
@@ -406,11 +453,61 @@ class DeepShardEngine(torch.nn.Module):
                 ckpt.set_rng_states(ckpt.load_file(path, own_file.name)["rng"])
         self._zero_grads()
         self._barrier()
-        return str(path), shared["client_state"]
+
+    def _load_by_name(self, path: Path, manifest, shared, strict: bool,
+                      load_optimizer: bool) -> None:
+        """Load a checkpoint of any stage and world size through its by-name form."""
+        by_name = zsave.read_by_name(path, manifest, shared)
+        parts, zero = self._parts, self._parts.zero
+        saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
+        if zero is None:
+            self.module.load_state_dict(
+                {k: by_name.values[k] for k in self.module.state_dict() if k in by_name.values},
+                strict=False)
+            self._check_missing(set(self.module.state_dict()) - set(by_name.values), strict)
+            if parts.masters is not None:
+                with torch.no_grad():
+                    for name, m in zip(parts.names, parts.masters.masters, strict=True):
+                        if name in by_name.values:
+                            m.copy_(by_name.values[name].view_as(m))
+            if load_optimizer and self.optimizer is not None:
+                ours = self.optimizer.state_dict()["param_groups"]
+                groups = _merge_groups(ours, saved_groups)
+                self.optimizer.load_state_dict(zsave.stage0_optimizer_state(
+                    by_name, self._optimizer_names(), groups))
+            return
+        zero.stepper.swap_in_all(self.optimizer)
+        owned = zsave.owned_names(zero, self.module)
+        rest = {k: v for k, v in by_name.values.items() if k not in owned}
+        self.module.load_state_dict(rest, strict=False)
+        want = set(self._module_state())
+        missing = (want - set(by_name.values)) | set(
+            zsave.load_into_zero(zero, self.optimizer, by_name, load_optimizer))
+        self._check_missing(missing, strict)
+        if load_optimizer and self.optimizer is not None:
+            for g, saved in zip(self.optimizer.param_groups,
+                                _merge_groups(self.optimizer.param_groups, saved_groups),
+                                strict=True):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        zero.stepper.swap_out_all(self.optimizer)
+
+    def _check_missing(self, missing: set[str], strict: bool) -> None:
+        if missing and strict:
+            raise UsageError(f"the checkpoint lacks {len(missing)} entries of this model: "
+                             f"{', '.join(sorted(missing)[:5])}", where="load_checkpoint",
+                             hint="load a checkpoint of the same model, or pass "
+                                  "load_module_strict=False")
 
     def _barrier(self) -> None:
         if self.dp_world_size > 1:
             dist.barrier(group=self._parts.group)
+
+
+def _merge_groups(ours: list[dict], saved: list[dict]) -> list[dict]:
+    """Our param groups with the checkpoint's hyperparameters (when the counts match)."""
+    if len(ours) != len(saved):
+        return [dict(g) for g in ours]
+    return [{**s, "params": g["params"]} for g, s in zip(ours, saved, strict=True)]
 
 
 def _to_half(x):
