@@ -1,5 +1,5 @@
 """Does an attention module's forward still compute attention when it holds 1/T of the
-heads? A shape-only trial on the meta device, so AutoTP never guesses silently.
+heads? A shape-only trial run, so that AutoTP does not guess silently.
 
 Sharding attention by heads only works when the module's forward derives its reshapes
 from the head-count attribute AutoTP divides (or from ``-1``). ``examples/gpt.py``'s
@@ -17,8 +17,10 @@ modified, and nothing is allocated but the tiny activations). Head sharding is
 *compatible* when both runs make the same calls and every output shape equals the dense
 one except for at most one dimension divided by exactly T (heads, or sharded features),
 with the module's output shape unchanged. Only shapes are compared, so the values of the
-views do not matter; a module on the meta device works too (slower: meta kernels load
-torch's compiler stack once).
+views do not matter, and a module on the meta device (deferred initialisation) works
+too. A forward that needs more inputs than the hidden states (LLaMA's also takes position
+embeddings and a mask) cannot be called here: the verdict is then *unverified*, and AutoTP
+follows the attribute, as DeepSpeed's AutoTP does.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ On top of them: :class:`ColumnParallelLinear` (output features split),
 :class:`VocabParallelEmbedding` (vocabulary rows split) and
 :func:`vocab_parallel_cross_entropy` (the loss over vocabulary-sharded logits, never
 gathering them). Each layer builds itself from a dense ``nn.Linear`` / ``nn.Embedding``
-with ``from_dense`` so that a tensor-parallel run starts from exactly the dense weights.
+with ``from_dense`` so that a tensor-parallel run starts from exactly the dense weights,
+and reports how its parameters are split (``shard_specs``); :func:`tp_layout` collects
+those for a whole model and :func:`gather_full_state_dict` assembles the dense state dict.
 
 ``group`` is always passed explicitly. ``None`` means a group of one (this process holds
 everything and nothing is communicated) — not torch's default world group. A group of
@@ -49,9 +51,11 @@ def tp_rank(group: Group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """The reduction into a new tensor (``x`` may be saved for backward elsewhere)."""
+    if tp_world_size(group) == 1:
+        return x.view_as(x)
     out = x.clone(memory_format=torch.contiguous_format)
-    if tp_world_size(group) > 1:
-        dist.all_reduce(out, op=op, group=group)
+    dist.all_reduce(out, op=op, group=group)
     return out
 
 
