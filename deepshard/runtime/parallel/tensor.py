@@ -147,13 +147,37 @@ def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ScatterToRegion.apply(x, group)
 
 
+class _Shared:
+    """Holds the process group of a layer: copies of the layer (``copy.deepcopy`` of a
+    model) share it, since a process group cannot be copied."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Group):
+        self.value = value
+
+    def __deepcopy__(self, memo) -> _Shared:
+        return self
+
+
+class _TPLayer(nn.Module):
+    """What the tensor-parallel layers share: their group."""
+
+    _group: _Shared
+
+    @property
+    def group(self) -> Group:
+        """The tensor-parallel process group (``None``: a group of one)."""
+        return self._group.value
+
+
 def _init_uniform(tensor: torch.Tensor, fan_in: int) -> None:
     """nn.Linear's default distribution, with the *dense* layer's fan-in."""
     bound = 1.0 / fan_in ** 0.5 if fan_in > 0 else 0.0
     nn.init.uniform_(tensor, -bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_TPLayer):
     """``y = x Aᵀ + b`` with ``A``'s output rows split: rank ``r`` holds
     ``weight [out/T, in]`` (and ``bias [out/T]``) and produces its slice of ``y``.
 
@@ -187,7 +211,7 @@ class ColumnParallelLinear(nn.Module):
         self.spec = ShardSpec(0, tuple(sections))
         check_divisible(where, out_features, self.spec, world)
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.gather_output = group, gather_output
+        self._group, self.gather_output = _Shared(group), gather_output
         local = self.spec.local_size(out_features, world)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
@@ -230,7 +254,7 @@ class ColumnParallelLinear(nn.Module):
                 + (f", sections={list(self.spec.sections)}" if self.spec.sections else ""))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLayer):
     """``y = x Aᵀ + b`` with ``A``'s input columns split: rank ``r`` holds
     ``weight [out, in/T]``, computes a partial ``y`` from its slice of ``x``, the partials
     are all-reduced, and the (replicated) ``bias [out]`` is added once, after the sum.
@@ -255,7 +279,7 @@ class RowParallelLinear(nn.Module):
         check_divisible(f"RowParallelLinear({in_features}, {out_features})", in_features,
                         self.spec, world)
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self._group, self.input_is_parallel = _Shared(group), input_is_parallel
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
@@ -298,7 +322,7 @@ class RowParallelLinear(nn.Module):
                 f"tp={tp_world_size(self.group)}, input_is_parallel={self.input_is_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TPLayer):
     """An embedding table with its rows (the vocabulary) split: rank ``r`` holds rows
     ``r*V/T:(r+1)*V/T``, looks up the ids it owns, writes zeros for the others, and the
     results are all-reduced — so the output is the dense lookup on every rank.
@@ -320,7 +344,7 @@ class VocabParallelEmbedding(nn.Module):
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.group, self.padding_idx = group, padding_idx
+        self._group, self.padding_idx = _Shared(group), padding_idx
         self.vocab_start = tp_rank(group) * (num_embeddings // world)
         self.weight = nn.Parameter(torch.empty(num_embeddings // world, embedding_dim,
                                                device=device, dtype=dtype))

@@ -163,6 +163,8 @@ def compare_models(tag: str, dense: nn.Module, group, out: dict, facts: dict,
         return m(x, y)
 
     dense_loss, tp_loss = loss_of(dense, False), loss_of(model, True)
+    twin = copy.deepcopy(model)  # copies share the process group
+    facts[f"{tag} deep copy computes the same"] = torch.equal(loss_of(twin, True), tp_loss)
     dense_loss.backward()
     tp_loss.backward()
     out[f"{tag} loss"] = err(tp_loss, dense_loss)
