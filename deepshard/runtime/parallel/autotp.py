@@ -39,6 +39,29 @@ per module that directly owns the Linears:
   :func:`~.tensor.vocab_parallel_cross_entropy`. Everything else (norms, position
   embeddings, other Linears) is replicated. Tied weights stay tied when both ends split
   the same way, else both are replicated.
+
+Use (what ``"tensor_parallel": {"autotp_size": T}`` does)::
+
+    groups = ProcessGroups.create(Topology.from_config(world, tp_size=T))
+    plan = plan_autotp(model, T)          # log plan.describe() on rank 0
+    apply_autotp(model, plan, groups.tensor_group)
+
+Every rank of a tensor-parallel group must hold the same dense model before
+:func:`apply_autotp` (same seed, or the same checkpoint loaded) and feed it the same
+batch. Afterwards the parameters named in :meth:`TPPlan.param_layout` are this rank's
+shards: their gradients are the exact gradients of those slices and must never be summed
+across the tensor group (only across the data group, as any parameter). Every other
+parameter (norms, position embeddings, row-parallel biases, replicated Linears) is
+replicated and gets the same gradient on every rank of the tensor group, because the
+residual stream and its gradient are all-reduced inside the layers; it needs no
+tensor-group reduction either. A global gradient norm sums the squares of the sharded
+gradients over the tensor group and counts the replicated ones once. Elementwise
+optimizers (Adam, AdamW, SGD) act on shards exactly as on the dense model; per-tensor
+norms (LAMB's trust ratio) would see a shard's norm instead of the tensor's.
+Checkpoints: :func:`~.tensor.gather_full_state_dict` gives the dense state dict (a
+collective), :func:`~.tp_shards.tp_merge_state_dicts` merges per-rank ones and
+:func:`~.tp_shards.tp_shard_state_dict` cuts a dense one for a rank, with the layout
+``plan.param_layout()`` (equal to ``tensor.tp_layout(model)`` after apply).
 """
 
 from __future__ import annotations
