@@ -24,7 +24,8 @@ _LAZY = {
 # DeepSpeed's spellings of the same things
 _ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict"}
 # submodules offered as attributes, like ``deepspeed.checkpointing``
-_MODULES = {"checkpointing": "deepshard.runtime.activation_checkpointing"}
+_MODULES = {"checkpointing": "deepshard.runtime.activation_checkpointing",
+            "zero": "deepshard.runtime.zero"}
 
 __all__ = ["__version__", *_LAZY, *_ALIASES, *_MODULES]
 

@@ -76,6 +76,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                          "optimizer.type", hint="use Adam/AdamW with ZeRO, or stage 0 for LAMB")
     device = _device()
     module = _place(model, cfg, device)
+    if stage < 3:
+        from .zero.init import materialize
+
+        materialize(module)  # built under zero.Init: whole again below stage 3
     _broadcast_from_rank0(module, group, dp_world)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = tuple(n for n, _ in named), tuple(p for _, p in named)

@@ -47,10 +47,11 @@ def losses_of(stdout: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"\] step (\d+) loss (\S+)", stdout)}
 
 
-def reference(steps: int, global_batch: int, seed: int = 0, clip: float = 1.0):
+def reference(steps: int, global_batch: int, seed: int = 0, clip: float = 1.0,
+              model_cfg: GPTConfig = TINY):
     """Plain torch, one process, the whole global batch per step."""
     torch.manual_seed(seed)
-    model = GPT(TINY)
+    model = GPT(model_cfg)
     params = ADAMW["params"]
     opt = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
                             eps=1e-8, weight_decay=params["weight_decay"])
@@ -58,7 +59,7 @@ def reference(steps: int, global_batch: int, seed: int = 0, clip: float = 1.0):
     losses = []
     for step in range(steps):
         idx = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.uint64)
-        x, y = sample_batch(corpus, idx, seed, TINY.seq_len)
+        x, y = sample_batch(corpus, idx, seed, model_cfg.seq_len)
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -171,7 +172,7 @@ def test_half_precision_ranks_agree_and_learn(tmp_path, precision):
     # module params and grads in half precision; AdamW state (2 fp32 moments + a step
     # scalar per tensor) plus fp32 master params and master grads
     assert r0["state_bytes"] == {"params": half, "grads": half,
-                                 "optimizer": 8 * n + 4 * k + 8 * n}
+                                 "optimizer": 8 * n + 4 * k + 8 * n, "nvme": 0}
     if precision == "fp16":
         # 2**20 overflows at once; with hysteresis 1 each overflow halves the scale and the
         # step is skipped on both ranks alike
@@ -187,7 +188,8 @@ def test_state_bytes_fp32(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     r0 = tagged_json(result.stdout, "RESULT")[0][1]
     n, k = r0["numel"], r0["nparams"]
-    assert r0["state_bytes"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * k}
+    assert r0["state_bytes"] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * k,
+                                 "nvme": 0}
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):

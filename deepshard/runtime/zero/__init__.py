@@ -1,1 +1,10 @@
-"""ZeRO: optimizer state, gradients and parameters sharded over the data-parallel ranks."""
+"""ZeRO: optimizer state, gradients and parameters sharded over the data-parallel ranks.
+
+DeepSpeed's user-facing names live here: ``deepshard.zero.Init`` (build a model already
+partitioned) and ``deepshard.zero.GatheredParameters`` (whole parameters inside a block).
+"""
+
+from .init import Init
+from .stage3 import GatheredParameters
+
+__all__ = ["GatheredParameters", "Init"]

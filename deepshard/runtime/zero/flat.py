@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .init import adopt
 from .partition import FlatLayout, ShardSpec
 
 
@@ -34,7 +35,7 @@ class FlatGroup:
         self.flat = flat
         self.spec = ShardSpec(flat.numel, world)
         self.rank, self.pg, self.partitioned = rank, pg, partitioned
-        self.shapes = tuple(p.shape for p in self.params)
+        self.shapes = tuple(getattr(p, "ds_shape", None) or p.shape for p in self.params)
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
         self.lo, self.hi = self.spec.bounds(rank)
@@ -44,7 +45,7 @@ class FlatGroup:
         full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for p, off, n in zip(self.params, flat.offsets, flat.numels, strict=True):
-                full[off:off + n].copy_(p.detach().reshape(-1))
+                full[off:off + n].copy_(adopt(p).reshape(-1))
                 p.ds_shape, p.ds_numel = p.shape, n
         if partitioned:
             self.shard = full[self.lo:self.hi].clone()

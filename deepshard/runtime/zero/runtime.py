@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
 from .flat import FlatGroup
+from .init import materialize
 from .optimizer import OffloadSpec, ShardStepper
 from .partition import layout, plan_groups
 from .stage1 import Stage1Grads
@@ -79,7 +80,7 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     # buckets no bigger than DDP's, so that reduction overlaps backward (DeepSpeed's
     # default reduce_bucket_size, 5e8, would make one bucket reduced after backward)
     cap = max(1, min(z.reduce_bucket_size, DEFAULT_BUCKET_BYTES // size))
-    numels = [p.numel() for p in params]
+    numels = [getattr(p, "ds_numel", None) or p.numel() for p in params]  # zero.Init: empty
     units_plan, unit_members = None, ()
     if stage == 3:
         units_plan = plan_units(module, names)
@@ -95,6 +96,7 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
         for p in g.params:
             p.ds_group = g
         groups.append(g)
+    materialize(module)  # zero.Init parameters that no group took (frozen ones)
     coordinator = None
     if stage == 3:
         units = [Unit(u, module.get_submodule(name),

@@ -1,0 +1,113 @@
+"""Drives a ZeRO engine on a tiny GPT and reports per-rank facts as ``RESULT <json>``.
+
+Modes (argv[1]):
+- ``train <config.json> <steps> [--init] [--odd]``: train (the model built inside
+  ``deepshard.zero.Init`` with ``--init``; an odd-sized GPT with ``--odd``); report losses,
+  state_bytes, the element counts of the flat groups, and the model's parameters whole
+  (gathered with ``GatheredParameters``) as a checksum;
+- ``gathered <config.json>``: rank 1 writes a marker into a weight inside
+  ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
+  the shard, and after a training step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from gpt import GPT, GPTConfig, rank_indices, sample_batch, stdlib_corpus  # noqa: E402
+
+import deepshard  # noqa: E402
+
+TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
+ODD = GPTConfig(vocab_size=251, seq_len=31, n_layer=3, n_head=3, d_model=39)
+
+
+def _model(cfg: GPTConfig, under_init: bool) -> GPT:
+    torch.manual_seed(0)
+    if not under_init:
+        return GPT(cfg)
+    if not dist.is_initialized():
+        deepshard.init_distributed(verbose=False)
+    with deepshard.zero.Init():
+        model = GPT(cfg)
+    # nothing is whole on any rank: every parameter is an empty tensor with a slice aside
+    assert all(p.numel() == 0 and hasattr(p, "ds_shard") for p in model.parameters())
+    return model
+
+
+def _checksum(engine) -> float:
+    params = list(engine.module.parameters())
+    with deepshard.zero.GatheredParameters(params):
+        return sum(float(p.detach().double().sum()) for p in params)
+
+
+def train(config_path: str, steps: int, under_init: bool, odd: bool) -> None:
+    cfg = ODD if odd else TINY
+    model = _model(cfg, under_init)
+    engine, _, _, _ = deepshard.initialize(model=model, config=config_path)
+    corpus = stdlib_corpus(1 << 20)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    rank, world = dist.get_rank(), engine.dp_world_size
+    losses = []
+    for step in range(steps):
+        for m in range(gas):
+            x, y = sample_batch(corpus, rank_indices(step, m, rank, world, micro, gas), 0,
+                                cfg.seq_len)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss.detach()))
+    zero = engine._parts.zero
+    print("RESULT " + json.dumps({
+        "rank": rank, "world": world, "losses": losses, "checksum": _checksum(engine),
+        "state_bytes": engine.state_bytes(),
+        "numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                     for p in engine.module.parameters()),
+        "groups": [[g.spec.numel, g.partitioned, g.dtype.itemsize] for g in zero.groups]
+        if zero else [],
+        "param_bytes_now": sum(p.numel() * p.element_size()
+                               for p in engine.module.parameters())}), flush=True)
+
+
+def gathered(config_path: str) -> None:
+    model = _model(TINY, False)
+    engine, _, _, _ = deepshard.initialize(model=model, config=config_path)
+    rank = dist.get_rank()
+    weight = engine.module.blocks[0].fc.weight
+    empty_before = weight.numel() == 0
+    with deepshard.zero.GatheredParameters([weight], modifier_rank=1):
+        whole_inside = list(weight.shape)
+        if rank == 1:
+            with torch.no_grad():
+                weight.fill_(0.125)
+    empty_after = weight.numel() == 0
+    with deepshard.zero.GatheredParameters([weight]):
+        seen = float(weight.detach().double().mean())
+    x, y = sample_batch(stdlib_corpus(1 << 20), rank_indices(0, 0, rank, 2, 2, 1), 0, 32)
+    engine.backward(engine(x, y))
+    engine.step()
+    with deepshard.zero.GatheredParameters([weight]):
+        moved = float((weight.detach().double() - 0.125).abs().max())
+    print("RESULT " + json.dumps({
+        "rank": rank, "empty_before": empty_before, "whole_inside": whole_inside,
+        "empty_after": empty_after, "seen": seen, "moved": moved}), flush=True)
+
+
+if __name__ == "__main__":
+    argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    flags = {a for a in argv if a.startswith("--")}
+    argv = [a for a in argv if not a.startswith("--")]
+    if argv[0] == "train":
+        train(argv[1], int(argv[2]), "--init" in flags, "--odd" in flags)
+    elif argv[0] == "gathered":
+        gathered(argv[1])
+    else:
+        raise SystemExit(f"unknown mode {argv[0]}")
