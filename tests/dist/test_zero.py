@@ -34,7 +34,10 @@ def zero_section(stage: int, offload: str, tmp_path) -> dict:
         if stage == 3:
             section["offload_param"] = {"device": "cpu"}
     elif offload == "nvme":
-        section["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+        nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+        section["offload_optimizer"] = nvme
+        if stage == 3:
+            section["offload_param"] = nvme
     return section
 
 

@@ -131,7 +131,7 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
         state: dict[str, torch.Tensor] = {}
         found = [n in by_name.values for n in g.names]
         missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
-        fresh.copy_(g.shard)
+        fresh.copy_(g.read_shard())
         for piece in pieces(g.flat, g.spec, g.rank):
             name = g.names[g.flat.params.index(piece.param)]
             src = slice(piece.param_start, piece.param_start + piece.length)
@@ -141,7 +141,7 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
             for key, full in by_name.state.get(name, {}).items():
                 buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
                 buf[dst] = full.reshape(-1)[src]
-        g.shard.copy_(fresh)
+        g.write_shard(fresh)
         if t is not g.shard and t.numel():
             t.copy_(fresh)
         if not g.partitioned:

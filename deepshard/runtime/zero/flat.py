@@ -10,6 +10,10 @@ Two kinds of storage:
   all-gathers the full buffer and points the parameters' ``.data`` at views of it, and
   :meth:`FlatGroup.release` drops it again (the parameters then hold empty tensors, and
   their full shape is kept in ``ds_shape`` as in DeepSpeed).
+
+``offload_param`` places a partitioned shard elsewhere: on the CPU (``cpu``, pinned when
+asked and a GPU exists; copied to the device for each gather), or in a file (``nvme``: read
+for each gather, rewritten after each optimizer step).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 
 from .init import adopt
 from .partition import FlatLayout, ShardSpec
+from .swap import TensorSwapper
 
 
 class FlatGroup:
@@ -29,7 +34,9 @@ class FlatGroup:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  flat: FlatLayout, world: int, rank: int, pg: dist.ProcessGroup | None,
-                 partitioned: bool):
+                 partitioned: bool, shard_device: torch.device | None = None,
+                 pin_memory: bool = False, swapper: TensorSwapper | None = None,
+                 key: str = ""):
         self.params = list(params)
         self.names = tuple(names)
         self.flat = flat
@@ -40,6 +47,9 @@ class FlatGroup:
         self.device = self.params[0].device
         self.lo, self.hi = self.spec.bounds(rank)
         self.full: torch.Tensor | None = None
+        self.swapper, self.key = (swapper, key) if partitioned else (None, "")
+        self.shard_device = shard_device if partitioned and shard_device else self.device
+        self.on_modified = None
         self._work = None
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
@@ -48,7 +58,13 @@ class FlatGroup:
                 full[off:off + n].copy_(adopt(p).reshape(-1))
                 p.ds_shape, p.ds_numel = p.shape, n
         if partitioned:
-            self.shard = full[self.lo:self.hi].clone()
+            pin = pin_memory and self.shard_device.type == "cpu" and torch.cuda.is_available()
+            self.shard = torch.empty(self.spec.shard, dtype=self.dtype,
+                                     device=self.shard_device, pin_memory=pin)
+            self.shard.copy_(full[self.lo:self.hi])
+            if self.swapper is not None:
+                self.swapper.write(self.key, self.shard).result()
+                self.shard = None
             self.release()
         else:
             self.full = full
@@ -70,10 +86,11 @@ class FlatGroup:
         all-gather and returns; :meth:`wait` (or a later ``gather``) completes it."""
         if self.full is None:
             self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+            src = self.read_shard().to(self.device, non_blocking=True)
             if self.spec.world == 1:
-                self.full.copy_(self.shard)
+                self.full.copy_(src)
             else:
-                self._work = dist.all_gather_into_tensor(self.full, self.shard, group=self.pg,
+                self._work = dist.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)
         if not async_op:
             self.wait()
@@ -113,7 +130,33 @@ class FlatGroup:
             src = dist.get_global_rank(self.pg, src_rank) if self.pg is not None else src_rank
             dist.broadcast(self.full, src=src, group=self.pg)
         if self.partitioned:
-            self.shard.copy_(self.full[self.lo:self.hi])
+            self.write_shard(self.full[self.lo:self.hi])
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's shard (from its file, with ``offload_param`` nvme)."""
+        if self.swapper is None:
+            return self.shard
+        buf = torch.empty(self.spec.shard, dtype=self.dtype)
+        self.swapper.read(self.key, buf).result()
+        return buf
+
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Replace this rank's shard with ``values`` (cast to the group's dtype)."""
+        if self.swapper is None:
+            with torch.no_grad():
+                self.shard.copy_(values)
+            return
+        buf = values.detach().to(device="cpu", dtype=self.dtype).contiguous()
+        self.swapper.write(self.key, buf).result()
+
+    @property
+    def shard_elsewhere(self) -> bool:
+        """Whether the shard is not an in-memory tensor on the compute device."""
+        return self.swapper is not None or self.shard_device != self.device
+
+    def nbytes_nvme(self) -> int:
+        """Bytes of this rank's shard held in a file."""
+        return self.spec.shard * self._empty.element_size() if self.swapper else 0
 
     def param_numel(self) -> int:
         """Elements of real data in the group."""
@@ -121,5 +164,7 @@ class FlatGroup:
 
     def nbytes_params(self) -> int:
         """Bytes of parameter storage this rank holds between uses."""
-        size = torch.tensor([], dtype=self.dtype).element_size()
+        size = self._empty.element_size()
+        if self.swapper is not None:
+            return 0
         return (self.spec.shard if self.partitioned else self.spec.padded) * size

@@ -58,13 +58,13 @@ class ShardStepper:
         self.separate: list[bool] = []
         self.step_tensors: list[torch.Tensor] = []
         for g in self.groups:
-            separate = half or (host and g.device.type != "cpu")
+            separate = half or (host and g.device.type != "cpu") or g.shard_elsewhere
             if separate:
                 device = torch.device("cpu") if host else g.device
                 pin = offload.pin_memory and host and torch.cuda.is_available()
                 master = torch.empty(g.spec.shard, dtype=torch.float32, device=device,
                                      pin_memory=pin)
-                master.copy_(g.shard)
+                master.copy_(g.read_shard())
             else:
                 master = g.shard
             self.separate.append(separate)
@@ -72,7 +72,7 @@ class ShardStepper:
             g.on_modified = _refresh(master, g) if separate else None
         self.master_grads = [torch.zeros_like(m) if s else None
                              for m, s in zip(self.step_tensors, self.separate, strict=True)]
-        self.swapper = TensorSwapper(offload.nvme_path, rank) \
+        self.swapper = TensorSwapper(offload.nvme_path, rank, "optimizer") \
             if offload.device == "nvme" else None
         self._swapped: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self._writes: dict[str, Future] = {}
@@ -151,8 +151,7 @@ class ShardStepper:
 
     def _copy_back(self, k: int) -> None:
         if self.separate[k]:
-            with torch.no_grad():
-                self.groups[k].shard.copy_(self.step_tensors[k])
+            self.groups[k].write_shard(self.step_tensors[k])
 
     # NVMe --------------------------------------------------------------------------------
     def _key(self, k: int, name: str) -> str:
@@ -238,5 +237,5 @@ class ShardStepper:
 def _refresh(master: torch.Tensor, g: FlatGroup):
     def refresh() -> None:
         with torch.no_grad():
-            master.copy_(g.shard)
+            master.copy_(g.read_shard())
     return refresh

@@ -21,6 +21,7 @@ from .partition import layout, plan_groups
 from .stage1 import Stage1Grads
 from .stage2 import Stage2Grads
 from .stage3 import ParamCoordinator, Unit, plan_units
+from .swap import TensorSwapper
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ZeroRuntime:
     coordinator: ParamCoordinator | None
     opt_groups: list[list[int]]  # flat group indices per optimizer param group
     frozen_bytes: int
+    param_swapper: TensorSwapper | None = None
 
     def begin_backward(self, boundary: bool) -> None:
         self.grads.begin_backward(boundary)
@@ -58,14 +60,17 @@ class ZeroRuntime:
         """Bytes this rank holds between steps (see ``engine.state_bytes``)."""
         params = self.frozen_bytes + sum(g.nbytes_params() for g in self.groups)
         held = self.stepper.nbytes(optimizer)
+        nvme = held["nvme"] + sum(g.nbytes_nvme() for g in self.groups)
         return {"params": params, "grads": self.grads.nbytes(),
-                "optimizer": held["optimizer"], "nvme": held["nvme"]}
+                "optimizer": held["optimizer"], "nvme": nvme}
 
     def close(self) -> None:
         self.grads.remove()
         if self.coordinator is not None:
             self.coordinator.remove()
         self.stepper.close()
+        if self.param_swapper is not None:
+            self.param_swapper.close()
 
 
 def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
@@ -88,11 +93,18 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
         unit_members = [[index[n] for n in members] for members in units_plan.params]
     plans = plan_groups(numels, [p.dtype for p in params], opt_members, cap, unit_members,
                         z.stage3_param_persistence_threshold if stage == 3 else 0)
+    offload_param = z.offload_param if stage == 3 and z.offload_param else None
+    host = offload_param is not None and offload_param.device in ("cpu", "nvme")
+    param_swapper = TensorSwapper(offload_param.nvme_path, rank, "params") \
+        if host and offload_param.device == "nvme" else None
     groups = []
-    for plan in plans:
+    for k, plan in enumerate(plans):
         flat = layout(plan.params, [numels[i] for i in plan.params])
         g = FlatGroup([params[i] for i in plan.params], [names[i] for i in plan.params],
-                      flat, world, rank, pg, plan.partitioned)
+                      flat, world, rank, pg, plan.partitioned,
+                      shard_device=torch.device("cpu") if host else None,
+                      pin_memory=bool(host and offload_param.pin_memory),
+                      swapper=param_swapper, key=f"group{k}")
         for p in g.params:
             p.ds_group = g
         groups.append(g)
@@ -118,4 +130,5 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     trainable = {id(p) for p in params}
     frozen = sum(p.numel() * p.element_size() for p in module.parameters()
                  if id(p) not in trainable)
-    return ZeroRuntime(stage, groups, grads, stepper, coordinator, opt_groups, frozen)
+    return ZeroRuntime(stage, groups, grads, stepper, coordinator, opt_groups, frozen,
+                       param_swapper)

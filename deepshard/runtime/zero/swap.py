@@ -1,7 +1,7 @@
 """NVMe offload: tensors kept in files, read and written asynchronously by worker threads.
 
 Each key is one file under this rank's swap directory (``<nvme_path>/deepshard-swap/
-<job>-rank<N>``), written and read with ``pwrite``/``pread`` from a thread pool so that the
+<job>-rank<N>-<what>``), written and read with ``pwrite``/``pread`` from a thread pool so that the
 optimizer can step one group while the next is read and the previous written. The
 directory is removed when the swapper is closed (or the process exits normally).
 """
@@ -25,7 +25,7 @@ CHUNK = 64 << 20
 class TensorSwapper:
     """Async file-backed storage for CPU tensors, keyed by name."""
 
-    def __init__(self, nvme_path: str | os.PathLike, rank: int, threads: int = 2):
+    def __init__(self, nvme_path: str | os.PathLike, rank: int, name: str, threads: int = 2):
         base = Path(nvme_path)
         try:
             base.mkdir(parents=True, exist_ok=True)
@@ -35,7 +35,7 @@ class TensorSwapper:
                              hint="point nvme_path at a writable directory on the NVMe "
                                   "drive") from None
         job = os.environ.get(RUN_ID) or str(os.getpid())
-        self.directory = base / "deepshard-swap" / f"{job}-rank{rank}"
+        self.directory = base / "deepshard-swap" / f"{job}-rank{rank}-{name}"
         shutil.rmtree(self.directory, ignore_errors=True)
         self.directory.mkdir(parents=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-swap")
