@@ -62,14 +62,23 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     _logging_setup()
     if not dist.is_initialized():
         init_distributed(distributed_port=distributed_port, verbose=False)
+    layout = _layout(source, model, mpu)
+    if layout is not None:
+        mpu = layout.groups
     group, dp_world, dp_rank = _data_parallel(mpu)
     rank = dist.get_rank()
-    loaded = load_config(source, world_size=dp_world, model=model)
+    auto = {"pipeline.stages": layout.topology.pipe if layout else 1}
+    loaded = load_config(source, world_size=dp_world, model=model, auto_values=auto)
     cfg = loaded.config
     if rank == 0 and loaded.unimplemented:
         logger.warning("config keys DeepSpeed knows but deepshard does not implement "
                        "(ignored): %s", ", ".join(loaded.unimplemented))
     stage = cfg.zero_optimization.stage
+    if layout is not None and layout.topology.pipe > 1 and stage > 1:
+        raise UsageError(f"ZeRO stage {stage} cannot run with pipeline parallelism: it "
+                         "reduces gradients during each backward, before the tied weights' "
+                         "sums", where=f"{loaded.origin}: zero_optimization.stage",
+                         hint="use ZeRO stage 0 or 1 with pipeline.stages > 1 (as DeepSpeed)")
     if stage and cfg.optimizer is not None and cfg.optimizer.type == "LAMB":
         raise UsageError("LAMB cannot run on ZeRO shards: its trust ratio is per parameter, "
                          "and a shard holds pieces of many", where=f"{loaded.origin}: "
@@ -80,6 +89,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         from .zero.init import materialize
 
         materialize(module)  # built under zero.Init: whole again below stage 3
+    excluded: frozenset[int] = frozenset()
+    if layout is not None:
+        excluded = layout.prepare(module, _broadcast_from_rank0, rank)
     _broadcast_from_rank0(module, group, dp_world)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = tuple(n for n, _ in named), tuple(p for _, p in named)
@@ -111,11 +123,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         notes = activation_checkpointing.configure(mpu, deepspeed_config=cfg)
         if rank == 0 and notes:
             logger.warning("activation_checkpointing: %s", "; ".join(notes))
-    engine = DeepShardEngine(EngineParts(
+    parts = EngineParts(
         module=module, config=cfg, params=params, names=names, buckets=buckets,
         masters=masters, zero=zero, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler,
         group=group, rank=rank, dp_rank=dp_rank, dp_world=dp_world, device=device,
-        profiler_factory=profiler))
+        profiler_factory=profiler, norm_excluded=excluded,
+        mp_group=_model_group(mpu))
+    engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=dp_world, rank=dp_rank)
@@ -147,14 +161,25 @@ def _logging_setup() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _layout(source, model, mpu):
+    """The (pipe, data, tensor) layout the config and model ask for, or ``None``."""
+    from .config.dialect import read_config_source
+    from .parallel.layout import Layout
+
+    data, origin = read_config_source(source)
+    return Layout.create(data, origin, model, mpu)
+
+
+def _model_group(mpu):
+    if mpu is None or not hasattr(mpu, "get_model_parallel_world_size"):
+        return None
+    if mpu.get_model_parallel_world_size() <= 1:
+        return None
+    return mpu.get_model_parallel_group()
+
+
 def _data_parallel(mpu):
     if mpu is not None:
-        mp_size = mpu.get_model_parallel_world_size() \
-            if hasattr(mpu, "get_model_parallel_world_size") else 1
-        if mp_size > 1:
-            raise UsageError(f"model parallelism (mpu with {mp_size} model-parallel ranks) is "
-                             "not implemented yet", where="initialize(mpu=...)",
-                             hint="pass no mpu, or one with model-parallel size 1")
         group = mpu.get_data_parallel_group()
         return group, dist.get_world_size(group), dist.get_rank(group)
     return None, dist.get_world_size(), dist.get_rank()

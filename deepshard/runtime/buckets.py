@@ -180,6 +180,13 @@ class GradBuckets:
         self._works.clear()
         self._reset_counts()
 
+    def reduce_all(self) -> None:
+        """Reduce every bucket now and wait (after backwards that did not synchronise: the
+        pipeline engine reduces once its last micro-batch's backward and the tied-weight
+        sums are done)."""
+        self._armed = True
+        self.finish()
+
     def zero(self) -> None:
         """Zero every gradient (in place: the grads stay views into the buckets)."""
         for i, p in enumerate(self.params):

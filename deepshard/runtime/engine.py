@@ -68,6 +68,10 @@ class EngineParts:
     dp_world: int
     device: torch.device
     profiler_factory: Callable[[], object] | None = None
+    # model parallelism (pipeline and/or tensor): the group the gradient norm is summed
+    # over, and the parameters left out of it there (replicas counted on another rank)
+    mp_group: dist.ProcessGroup | None = None
+    norm_excluded: frozenset[int] = frozenset()
 
 
 class DeepShardEngine(torch.nn.Module):
@@ -83,6 +87,7 @@ class DeepShardEngine(torch.nn.Module):
         self.loss_scaler = parts.loss_scaler
         self.counters = Counters()
         self.global_rank, self.dp_world_size, self.device = parts.rank, parts.dp_world, parts.device
+        self.dp_rank = parts.dp_rank
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._grad_norm: float | None = None
@@ -267,7 +272,7 @@ class DeepShardEngine(torch.nn.Module):
             grads = parts.buckets.buffers
         self._grad_norm = None
         if cfg.gradient_clipping > 0 or self.loss_scaler is not None:
-            norm = zero.stepper.global_norm(grads) if zero is not None else global_norm(grads)
+            norm = self._gradient_norm(grads)
             self._grad_norm = float(norm)
             if self.loss_scaler is not None:
                 overflow = not math.isfinite(self._grad_norm)
@@ -292,6 +297,40 @@ class DeepShardEngine(torch.nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return True
+
+    def _gradient_norm(self, grads) -> torch.Tensor:
+        """The global gradient norm, the same on every rank: over this rank's gradients
+        (ZeRO: its shards, summed over the data-parallel group), minus replicas another
+        rank counts, summed over the model-parallel group."""
+        parts = self._parts
+        if parts.zero is None and parts.mp_group is None:
+            return global_norm(grads)
+        sq = global_norm(grads).square()
+        excluded = self._excluded_views(grads)
+        if excluded:
+            sq = sq - global_norm(excluded).square()
+        if parts.zero is not None and self.dp_world_size > 1:
+            dist.all_reduce(sq, group=parts.group)
+        if parts.mp_group is not None:
+            dist.all_reduce(sq, group=parts.mp_group)
+        return sq.clamp_min(0).sqrt()
+
+    def _excluded_views(self, grads) -> list[torch.Tensor]:
+        parts = self._parts
+        if not parts.norm_excluded:
+            return []
+        out = []
+        if parts.zero is not None:
+            from .zero.partition import pieces
+
+            for k, g in enumerate(parts.zero.groups):
+                for pc in pieces(g.flat, g.spec, g.rank):
+                    if id(parts.params[pc.param]) in parts.norm_excluded:
+                        out.append(grads[k][pc.shard_start:pc.shard_start + pc.length])
+            return out
+        views = parts.masters.grad_views if parts.masters is not None else parts.buckets.views
+        return [v for p, v in zip(parts.params, views, strict=True)
+                if id(p) in parts.norm_excluded]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (always in place: they live in the communication buckets)."""

@@ -23,6 +23,7 @@ from deepshard.runtime.config.schema_base import (
     PosInt,
     Section,
     doc,
+    fail,
     key_log,
     one_of,
 )
@@ -112,6 +113,41 @@ class FlopsProfilerConfig(Section):
                                   default=None)
 
 
+class PipelineConfig(Section):
+    """``pipeline``: pipeline parallelism over the stages of a ``PipelineModule``."""
+
+    ds_only_keys: ClassVar[frozenset[str]] = frozenset({
+        "partition", "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"})
+
+    stages: PosInt = doc("Pipeline stages ('auto': the PipelineModule's num_stages, else 1).",
+                         default=1)
+    partition_method: str = doc("How layers are split over stages: 'parameters', 'uniform' "
+                                "or 'type:<regex>' (used when the script leaves it to the "
+                                "config).", default="parameters")
+    activation_checkpoint_interval: NonNegInt = doc(
+        "Recompute activations every this many layers in backward; 0: never.", default=0)
+
+    @model_validator(mode="after")
+    def _method(self, info: ValidationInfo) -> PipelineConfig:
+        m = self.partition_method
+        if m.lower() not in ("parameters", "uniform") and not m.lower().startswith("type:"):
+            raise fail(key_log(info) or KeyLog(), "partition_method",
+                       f"unknown partition method {m!r}",
+                       "use 'parameters', 'uniform' or 'type:<regex of layer class names>'")
+        return self
+
+
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: Megatron-style tensor parallelism applied by AutoTP."""
+
+    ds_only_keys: ClassVar[frozenset[str]] = frozenset({
+        "tp", "tp_grain_size", "dtype", "keep_module_on_host", "injection_policy_tuple",
+        "partition_config", "tp_overlap_comm"})
+
+    autotp_size: PosInt = doc("Ranks each layer is split over (1: no tensor parallelism).",
+                              default=1)
+
+
 class ParallelWriteConfig(Section):
     """``checkpoint.parallel_write``."""
 
@@ -163,7 +199,7 @@ class DeepShardConfig(Section):
         "use_data_before_expert_parallelism", "sequence_parallel_size", "allgather_size",
         "data_types", "torch_autocast", "aio", "tensorboard", "wandb", "csv_monitor", "comet",
         "comms_logger", "autotuning", "data_efficiency", "compile", "timers",
-        "tensor_parallel", "expert_parallel", "pipeline", "hybrid_engine",
+        "expert_parallel", "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
         "amp", "nebula", "compression_training", "quantize_training", "sparse_gradients",
@@ -203,6 +239,9 @@ class DeepShardConfig(Section):
                                         default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = doc(
         "Activation checkpointing options.", default_factory=ActivationCheckpointingConfig)
+    pipeline: PipelineConfig = doc("Pipeline parallelism.", default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = doc("Tensor parallelism (AutoTP).",
+                                                default_factory=TensorParallelConfig)
     flops_profiler: FlopsProfilerConfig = doc("FLOPs profiler options.",
                                               default_factory=FlopsProfilerConfig)
     checkpoint: CheckpointConfig = doc("Checkpoint options and deepshard's resume policy.",

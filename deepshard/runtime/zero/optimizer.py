@@ -13,8 +13,8 @@ masters when they are separate) lives in files between steps; the step walks the
 order, reading the next groups' state while stepping the current one and writing it back
 asynchronously (:mod:`.swap`).
 
-The global gradient norm is one all-reduce of the local sums of squares, so every rank sees
-the same norm and (fp16) the same overflow decision.
+(The engine sums the gradient norm's squares over the ranks, so every rank sees the same
+norm and, with fp16, the same overflow decision.)
 """
 
 from __future__ import annotations
@@ -98,20 +98,6 @@ class ShardStepper:
             grads.append(g)
         self._grads = grads
         return grads
-
-    def global_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """L2 norm of the whole model's gradients (padding is zero), same on every rank;
-        inf/nan when any rank's gradients are."""
-        if grads:
-            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g
-                                         for g in grads])
-            sq = torch.stack([n.to(grads[0].device) for n in norms]).square().sum()
-        else:
-            sq = torch.zeros(())
-        sq = sq.to(self.groups[0].device if self.groups else "cpu")
-        if self.world > 1:
-            dist.all_reduce(sq, group=self.pg)
-        return sq.sqrt()
 
     # the step ----------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer) -> None:
