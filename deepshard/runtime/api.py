@@ -128,7 +128,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         masters=masters, zero=zero, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler,
         group=group, rank=rank, dp_rank=dp_rank, dp_world=dp_world, device=device,
         profiler_factory=profiler, norm_excluded=excluded,
-        mp_group=_model_group(mpu))
+        mp_group=_model_group(mpu), mpu=mpu)
     engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
     loader = None
     if training_data is not None:

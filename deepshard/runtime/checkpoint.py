@@ -56,6 +56,8 @@ class Manifest:
     files: tuple[str, ...]
     format: int = FORMAT
     created_unix: float = 0.0
+    # model parallelism: {"pipe": P, "data": D, "tensor": T}; world_size is then P*D*T
+    layout: dict | None = None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -246,7 +248,11 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
                          hint="pass the directory given to engine.save_checkpoint()")
     tag_dir = Path(checkpoint_dir) / manifest.tag
     shared = load_file(tag_dir, SHARED_FILE)
-    if manifest.zero_stage == 0:
+    if manifest.layout:
+        from .parallel.checkpoint import consolidate
+
+        values = consolidate(tag_dir, manifest)
+    elif manifest.zero_stage == 0:
         values = full_precision(shared)
     else:
         from .zero.checkpoint import read_by_name

@@ -72,6 +72,7 @@ class EngineParts:
     # over, and the parameters left out of it there (replicas counted on another rank)
     mp_group: dist.ProcessGroup | None = None
     norm_excluded: frozenset[int] = frozenset()
+    mpu: object | None = None  # the layout's ProcessGroups (or a user's mpu)
 
 
 class DeepShardEngine(torch.nn.Module):
@@ -380,6 +381,7 @@ class DeepShardEngine(torch.nn.Module):
         heartbeat(self.counters.global_steps)
         if zero is not None:
             zero.stepper.swap_in_all(self.optimizer)
+        topology = self._mp_topology()
         shared = None
         if self.global_rank == 0:
             shared = {
@@ -396,14 +398,25 @@ class DeepShardEngine(torch.nn.Module):
         own = {"rng": ckpt.rng_states()}
         if zero is not None:
             own["zero"] = zsave.shard_payload(zero, self.optimizer)
+        world = self.dp_world_size
+        if topology is not None:
+            from .parallel import checkpoint as mpckpt
+
+            own["mp"] = mpckpt.own_payload(self)  # every rank holds another part
+            if shared is not None:
+                shared.update(module={}, fp32_masters=None, optimizer_names=None,
+                              optimizer={"state": {}, "param_groups": self.optimizer.state_dict()
+                                         ["param_groups"]} if self.optimizer else None)
+            world = self.world_size
         manifest = ckpt.Manifest(
-            tag=tag, world_size=self.dp_world_size, zero_stage=self.zero_optimization_stage(),
+            tag=tag, world_size=world, zero_stage=self.zero_optimization_stage(),
             param_dtype=str(parts.params[0].dtype if parts.params else torch.float32),
             master_dtype="torch.float32" if parts.masters or (
                 zero is not None and any(zero.stepper.separate)) else None,
             global_steps=self.global_steps, deepshard_version=__version__,
-            files=(ckpt.SHARED_FILE, *(ckpt.rank_file(r) for r in range(self.dp_world_size))),
-            created_unix=ckpt.now())
+            files=(ckpt.SHARED_FILE, *(ckpt.rank_file(r) for r in range(world))),
+            created_unix=ckpt.now(),
+            layout=None if topology is None else mpckpt.layout_of(topology))
         ckpt.save(save_dir, manifest, rank=self.global_rank, shared=shared, own=own,
                   barrier=self._barrier, save_latest=save_latest)
         if zero is not None:
@@ -458,9 +471,20 @@ class DeepShardEngine(torch.nn.Module):
             return None, None
         path = Path(load_dir) / manifest.tag
         shared = ckpt.load_file(path, ckpt.SHARED_FILE)
-        if self._parts.zero is not None or manifest.zero_stage != 0:
-            self._load_by_name(path, manifest, shared, load_module_strict,
+        topology = self._mp_topology()
+        if topology is not None or manifest.layout:
+            from .parallel import checkpoint as mpckpt
+
+            mpckpt.check_same_layout(manifest, topology, path)
+            coord = topology.coord(self.global_rank)
+            by_name, _ = mpckpt.by_name(path, manifest, coord.pipe, coord.tensor)
+            self._load_by_name(by_name, shared, load_module_strict,
                                load_optimizer_states and not load_module_only)
+            self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
+            return str(path), shared["client_state"]
+        if self._parts.zero is not None or manifest.zero_stage != 0:
+            self._load_by_name(zsave.read_by_name(path, manifest, shared), shared,
+                               load_module_strict, load_optimizer_states and not load_module_only)
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
         # fp32 values wherever the checkpoint has them (its masters), whatever precision
@@ -493,10 +517,16 @@ class DeepShardEngine(torch.nn.Module):
         self._zero_grads()
         self._barrier()
 
-    def _load_by_name(self, path: Path, manifest, shared, strict: bool,
+    def _mp_topology(self):
+        """The model-parallel topology, or ``None`` for plain data parallelism."""
+        mpu = self._parts.mpu
+        if self._parts.mp_group is None or not hasattr(mpu, "topology"):
+            return None
+        return mpu.topology
+
+    def _load_by_name(self, by_name: zsave.ByName, shared, strict: bool,
                       load_optimizer: bool) -> None:
         """Load a checkpoint of any stage and world size through its by-name form."""
-        by_name = zsave.read_by_name(path, manifest, shared)
         parts, zero = self._parts, self._parts.zero
         saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
         if zero is None:

@@ -15,7 +15,7 @@ rank's memory once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,14 +72,18 @@ def aliases(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def read_by_name(tag_dir: Path, manifest: ckpt.Manifest, shared: Mapping) -> ByName:
-    """The neutral form of any complete checkpoint (see the module docstring)."""
+def read_by_name(tag_dir: Path, manifest: ckpt.Manifest, shared: Mapping,
+                 ranks: Sequence[int] | None = None) -> ByName:
+    """The neutral form of any complete checkpoint (see the module docstring). ``ranks``:
+    whose shard files hold this model's shards (default: all; with model parallelism the
+    data-parallel ranks of one (pipe, tensor) coordinate, ``shared`` being that
+    coordinate's own module state)."""
     if manifest.zero_stage == 0:
         return _stage0(shared)
     values = {n: v for n, v in shared["module"].items()}
     state: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[str, dict[str, object]] = {}
-    for r in range(manifest.world_size):
+    for r in (range(manifest.world_size) if ranks is None else ranks):
         for entry in ckpt.load_file(tag_dir, ckpt.rank_file(r))["zero"]:
             _scatter(entry, values, state, scalars)
     for alias, canonical in shared.get("aliases", {}).items():
