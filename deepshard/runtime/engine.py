@@ -568,8 +568,9 @@ class DeepShardEngine(torch.nn.Module):
                                   "load_module_strict=False")
 
     def _barrier(self) -> None:
-        if self.dp_world_size > 1:
-            dist.barrier(group=self._parts.group)
+        """Every rank of the job (checkpoints are collective over all of them)."""
+        if self.world_size > 1:
+            dist.barrier()
 
 
 def _merge_groups(ours: list[dict], saved: list[dict]) -> list[dict]:
