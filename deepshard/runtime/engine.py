@@ -382,6 +382,11 @@ class DeepShardEngine(torch.nn.Module):
         if zero is not None:
             zero.stepper.swap_in_all(self.optimizer)
         topology = self._mp_topology()
+        if topology is None and parts.mp_group is not None:
+            raise UsageError("checkpoints of a model split by a user's mpu are not supported",
+                             where="engine.save_checkpoint",
+                             hint="let deepshard split the model (pipeline / tensor_parallel "
+                                  "config sections), or save the module yourself")
         shared = None
         if self.global_rank == 0:
             shared = {
