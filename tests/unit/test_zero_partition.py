@@ -19,11 +19,10 @@ from deepshard.runtime.zero.partition import (
 )
 from deepshard.runtime.zero.stage3 import plan_units
 from deepshard.runtime.zero.swap import TensorSwapper
-
 from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
 
 
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 9))
@@ -37,7 +36,7 @@ def test_pieces_cover_every_element_exactly_once(numels, world):
         lo, hi = spec.bounds(rank)
         assert hi - lo == spec.shard
         for pc in pieces(flat, spec, rank):
-            assert 0 <= pc.shard_start and pc.shard_start + pc.length <= spec.shard
+            assert pc.shard_start >= 0 and pc.shard_start + pc.length <= spec.shard
             start = flat.offsets[pc.param] + pc.param_start
             assert start == lo + pc.shard_start
             for e in range(start, start + pc.length):
