@@ -22,11 +22,10 @@ import torch
 import deepshard
 from deepshard.errors import UsageError
 from deepshard.runtime import checkpoint as ckpt
-
 from tests.helpers import ROOT, run_ds, tagged_json
 
 sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig, sample_batch, stdlib_corpus  # noqa: E402
+from gpt import GPT, GPTConfig, sample_batch, stdlib_corpus
 
 TRAIN = str(ROOT / "examples" / "train_gpt.py")
 PROBE = str(ROOT / "tests" / "dist" / "scripts" / "engine_probe.py")

@@ -47,7 +47,7 @@ def test_returns_engine_optimizer_loader_and_scheduler():
 def test_accumulation_scales_the_loss_and_steps_at_the_boundary():
     net = model()
     reference = model()
-    engine, opt, _, _ = deepshard.initialize(
+    engine, _, _, _ = deepshard.initialize(
         model=net, config={"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2,
                            "gradient_clipping": 0, "optimizer": {"type": "SGD",
                                                                  "params": {"lr": 0.1}}})
@@ -97,8 +97,8 @@ def test_client_optimizer_steps_fp32_masters_under_bf16():
     ({"config": {"train_micro_batch_size_per_gpu": 1}, "args": "with-config"},
      "a config was given both as --deepspeed_config and as config="),
     ({}, "no DeepSpeed config given"),
-    ({"config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}},
-     "zero_optimization.stage: ZeRO stage 3 is not implemented yet"),
+    ({"config": {"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2}}},
+     "pipeline.stages: pipeline.stages is 2 but the model is a plain"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, kwargs, fragment):
     net = model()

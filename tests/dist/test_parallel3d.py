@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import deepshard
-
 from tests.dist.test_engine import (
     ADAMW,
     TINY,
@@ -26,7 +25,7 @@ from tests.dist.test_engine import (
 from tests.helpers import ROOT, run_ds
 
 sys.path.insert(0, str(ROOT / "examples"))
-from gpt_pipe import gpt_param_name  # noqa: E402
+from gpt_pipe import gpt_param_name
 
 
 def run_layout(tmp_path, world: int, pipe: int, tp: int, zero: int, steps: int, ckdir,

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from deepshard.launcher.cli import free_port
-
 from tests.helpers import ROOT, run_ds, tagged_json
 
 SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "allreduce.py")

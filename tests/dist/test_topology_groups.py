@@ -9,7 +9,6 @@ import torch
 
 from deepshard.runtime.parallel.pipe_module import PipelineModule
 from deepshard.runtime.parallel.topology import Topology
-
 from tests.helpers import ROOT, run_ds, tagged_json
 
 SCRIPTS = ROOT / "tests" / "dist" / "scripts"

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import deepshard
-
 from tests.dist.test_engine import (
     ADAMW,
     PROBE,

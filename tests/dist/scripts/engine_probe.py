@@ -23,9 +23,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from gpt import GPT, GPTConfig, rank_indices, sample_batch, stdlib_corpus  # noqa: E402
+
 import deepshard  # noqa: E402
 from deepshard.runtime.engine import DeepShardEngine  # noqa: E402
-from gpt import GPT, GPTConfig, rank_indices, sample_batch, stdlib_corpus  # noqa: E402
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
 
