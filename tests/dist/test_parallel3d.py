@@ -47,6 +47,7 @@ def run_layout(tmp_path, world: int, pipe: int, tp: int, zero: int, steps: int, 
     (4, 2, 1, 1),  # pp=2 x dp=2
     (4, 1, 2, 1),  # tp=2 x dp=2
     (4, 4, 1, 0),  # pp=4, one replica
+    (4, 1, 2, 3),  # tp=2 x dp=2 with ZeRO-3 on the data axis
 ])
 def test_layout_follows_single_process(tmp_path, world, pipe, tp, zero):
     steps, micro, gas = 4, 2, 4
