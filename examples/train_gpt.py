@@ -11,6 +11,15 @@ same global batches and the loss curves of different layouts can be compared.
 With ``--checkpoint_dir``, a checkpoint is saved every ``--save_interval`` steps and
 training resumes from the newest complete one (after a restart by ``ds-run
 --max_restarts``, or when run again).
+
+With ``pipeline.stages`` > 1 in the config, the model is the same GPT as a
+``PipelineModule`` (``examples/gpt_pipe.py``: the same initial weights) and each step is one
+``engine.train_batch``, fed this data-parallel rank's micro-batches, the same ones the
+non-pipeline path uses for it. ``pipeline.partition_method`` and
+``pipeline.activation_checkpoint_interval`` go to the PipelineModule;
+``tensor_parallel.autotp_size`` is applied by ``deepshard.initialize``.
+
+    ds-run --num_gpus 4 examples/train_gpt.py --deepspeed_config examples/configs/pp2_tp2.json
 """
 
 from __future__ import annotations
@@ -25,8 +34,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt import GPT, GPTConfig, rank_indices, sample_batch, stdlib_corpus
+from gpt_pipe import pipe_gpt
 
 import deepshard
+from deepshard.runtime.config.dialect import read_config_source
+from deepshard.runtime.parallel.topology import Topology
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,9 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, d_model=args.d_model, dropout=args.dropout)
+    pipeline, tp_size = parallel_settings(args.deepspeed_config)
+    if pipeline.get("stages", 1) > 1:
+        train_pipeline(args, cfg, pipeline, tp_size)
+        return
+    torch.manual_seed(args.seed)
     checkpoint = deepshard.checkpointing.checkpoint if args.activation_checkpointing else None
     model = GPT(cfg, checkpoint=checkpoint)
     engine, _, _, _ = deepshard.initialize(args=args, model=model,
@@ -65,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     corpus = stdlib_corpus()
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), \
         engine.gradient_accumulation_steps()
-    dp_rank, dp_size = dist.get_rank(), engine.dp_world_size
+    # with tensor parallelism, the ranks of one tensor group share a data-parallel rank
+    dp_rank, dp_size = getattr(engine, "dp_rank", dist.get_rank()), engine.dp_world_size
+    world = dist.get_world_size()
     for step in range(engine.global_steps, args.steps):
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for micro_step in range(accumulation):
@@ -76,11 +94,62 @@ def main(argv: list[str] | None = None) -> None:
             engine.backward(loss)
             engine.step()
             total += loss.detach().double()
-        if dp_size > 1:
+        if world > 1:  # tensor-parallel peers hold the same loss: a mean over the world
             dist.all_reduce(total)
         if dist.get_rank() == 0:
-            print(f"step {step + 1} loss {(total / (accumulation * dp_size)).item()!r}",
+            print(f"step {step + 1} loss {(total / (accumulation * world)).item()!r}",
                   flush=True)
+        if args.checkpoint_dir and args.save_interval and (step + 1) % args.save_interval == 0:
+            engine.save_checkpoint(args.checkpoint_dir)
+    dist.destroy_process_group()
+
+
+def parallel_settings(config_path: str | None) -> tuple[dict, int]:
+    """The config's ``pipeline`` section (``stages`` an int: 1 when absent or ``"auto"``)
+    and ``tensor_parallel.autotp_size`` (1 when absent). Values are checked by
+    ``deepshard.initialize``; without a config path, it reports the missing config."""
+    if config_path is None:
+        return {"stages": 1}, 1
+    data, _ = read_config_source(config_path)
+    pipeline = dict(data.get("pipeline") or {})
+    if not isinstance(pipeline.get("stages"), int):
+        pipeline["stages"] = 1
+    tp_size = (data.get("tensor_parallel") or {}).get("autotp_size", 1)
+    return pipeline, tp_size if isinstance(tp_size, int) else 1
+
+
+def train_pipeline(args: argparse.Namespace, cfg: GPTConfig, pipeline: dict,
+                   tp_size: int) -> None:
+    """The pipeline-parallel path: one ``engine.train_batch`` per step."""
+    deepshard.init_distributed(verbose=False)  # the PipelineModule reads its stage from it
+    topology = Topology.from_config(dist.get_world_size(), pipeline["stages"], tp_size)
+    interval = int(pipeline.get("activation_checkpoint_interval", 0))
+    if args.activation_checkpointing:
+        interval = interval or 1
+    model = pipe_gpt(cfg, seed=args.seed, topology=topology,
+                     partition_method=pipeline.get("partition_method", "parameters"),
+                     activation_checkpoint_interval=interval,
+                     activation_checkpoint_func=deepshard.checkpointing.checkpoint
+                     if args.activation_checkpointing else None)
+    engine, _, _, _ = deepshard.initialize(args=args, model=model,
+                                           model_parameters=model.parameters())
+    if args.checkpoint_dir and engine.global_steps == 0:
+        engine.load_checkpoint(args.checkpoint_dir)
+    corpus = stdlib_corpus()
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), \
+        engine.gradient_accumulation_steps()
+    dp_rank, dp_size, world = engine.dp_rank, engine.dp_world_size, dist.get_world_size()
+    for step in range(engine.global_steps, args.steps):
+        batches = (tuple(t.to(engine.device) for t in sample_batch(
+            corpus, rank_indices(step, m, dp_rank, dp_size, micro, accumulation), args.seed,
+            cfg.seq_len)) for m in range(accumulation))
+        loss = engine.train_batch(data_iter=batches)
+        # every rank of a pipeline returns its replica's mean: the world's mean is the step's
+        total = torch.as_tensor(loss).detach().to(engine.device, torch.float64).reshape(())
+        if world > 1:
+            dist.all_reduce(total)
+        if dist.get_rank() == 0:
+            print(f"step {step + 1} loss {(total / world).item()!r}", flush=True)
         if args.checkpoint_dir and args.save_interval and (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.checkpoint_dir)
     dist.destroy_process_group()
