@@ -1,0 +1,519 @@
+"""ZeRO step time and peak memory per rank: deepshard against DDP, FSDP2 and DeepSpeed, on CPU.
+
+The setup is ``benchmarks/train.py``'s, whose helpers this script imports: the reference
+GPT of ``examples/gpt.py`` (27.4M parameters, fp32), 2 ranks on this machine with one
+thread each (gloo), micro-batch 4 per rank, sequence 128, no gradient accumulation, AdamW
+(lr 1e-4, weight decay 0.01), no gradient clipping (``"gradient_clipping": 0``), the same
+batches for every peer. Each peer runs as 2 fresh worker processes, one peer after another;
+the table gives rank 0's median step time, its ratio to DDP and to the DeepSpeed peer of
+the same ZeRO setup, each rank's peak RSS and the last step's loss (the same for every
+peer, up to rounding, when they all compute the same thing; the script says if not).
+
+    python benchmarks/zero.py [--steps 10] [--warmup 3] [--rounds 3] [--peers ddp,fsdp2]
+    python benchmarks/zero.py --adam [--adam-numel 27369472,273694720] [--adam-steps 20]
+
+Peers:
+    ddp, ddp-fused          torch DistributedDataParallel, torch.optim.AdamW as users write it
+                            (on CPU the per-tensor for-loop), and with fused=True
+    fsdp2, fsdp2-fused      torch.distributed.fsdp.fully_shard on each block, then the root
+                            (DTensor parameters sharded over both ranks, reduce-scatter on
+                            gloo), torch.optim.AdamW as users write it (the for-loop again:
+                            torch picks foreach only for accelerator tensors), and with
+                            fused=True (foreach=True works on CPU DTensors too)
+    deepspeed-zN[-offload]  deepspeed.initialize, zero_optimization.stage N; ``-offload``
+                            adds offload_optimizer {"device": "cpu"} (and, for stage 3,
+                            offload_param {"device": "cpu"}); DeepSpeed's defaults otherwise
+    deepshard-zN[-offload]  deepshard.initialize with the same config dict as its DeepSpeed
+                            twin. A stage deepshard does not implement yet makes a row
+                            ``failed: <its error line>``; the other peers still run.
+
+What DeepSpeed 0.19.8 needs on CPU: nothing in the config. The workers get
+``DS_ACCELERATOR=cpu``, as train.py's do, which only spares the probe (without it DeepSpeed
+warns that it found no accelerator and picks the CPU anyway). ZeRO 1-3 take fp32 there,
+init_distributed picks gloo, no ``torch_adam`` is needed: for ``"type": "AdamW"`` it builds
+its own C++ ops with ninja and the system compiler on first use (minutes, inside
+initialize, so not in the step times; cached in ~/.cache/torch_extensions): FusedAdam
+without offload, DeepSpeedCPUAdam with offload_optimizer, and a shared-memory comm op.
+
+``--adam`` measures instead the optimizer step alone, on one flat fp32 tensor per size with
+2 threads (torch.set_num_threads and OMP_NUM_THREADS, which DeepSpeed's op reads): parameter
+updates per second (median of ``--adam-steps`` after warm-up) of torch.optim.AdamW
+(for-loop, and fused=True) and of deepspeed.ops.adam.DeepSpeedCPUAdam, the optimizer of
+DeepSpeed's ZeRO-Offload. Each runs in its own process; DeepSpeedCPUAdam is
+checked against torch's AdamW (max difference after 3 steps) before it is timed.
+
+The DeepSpeed peers run with ``--deepspeed-python`` (default /tmp/dsvenv/bin/python), with
+the same torch, and are skipped, with the reason, where it cannot import deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from train import (  # noqa: E402
+    DEFAULT_DS_PYTHON,
+    DS_CONFIG,
+    MICRO_BATCH,
+    OPTIMIZER_PARAMS,
+    RESULT_TAG,
+    SEED,
+    WORLD,
+    Outcome,
+    _build_ddp,
+    _collect,
+    _optimizer_label,
+    cpu_model,
+    deepshard_missing,
+    deepspeed_version,
+    merge,
+)
+
+ZERO_SETUPS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z2-offload", 2, True),
+               ("z3", 3, False), ("z3-offload", 3, True))
+"""(suffix, stage, offload) of the DeepSpeed and deepshard peers."""
+LOSS_TOLERANCE = 1e-3
+"""Largest difference to DDP's last loss that still counts as the same computation."""
+ADAM_THREADS = 2
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One row of the table: a library and how it is set up."""
+
+    name: str
+    runtime: str
+    """``ddp``, ``fsdp2``, ``deepspeed`` or ``deepshard``: what the worker trains with."""
+    note: str
+    stage: int = 0
+    """ZeRO stage, for ``deepspeed`` and ``deepshard``."""
+    offload: bool = False
+    """Optimizer states (and for stage 3 the parameters) on the CPU, DeepSpeed-style."""
+    fused: bool = False
+
+    @property
+    def foreign(self) -> bool:
+        """Runs with the DeepSpeed interpreter."""
+        return self.runtime == "deepspeed"
+
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed-style config dict, the same for DeepSpeed and deepshard."""
+        zero: dict = {"stage": self.stage}
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if self.offload and self.stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+        return {**DS_CONFIG, "zero_optimization": zero}
+
+    @property
+    def twin(self) -> str | None:
+        """The DeepSpeed peer with the same config, which a deepshard row is compared with."""
+        return "deepspeed" + self.name.removeprefix("deepshard") \
+            if self.runtime == "deepshard" else None
+
+
+def _peers() -> dict[str, Peer]:
+    peers = [Peer("ddp", "ddp", "DistributedDataParallel"),
+             Peer("ddp-fused", "ddp", "DistributedDataParallel", fused=True),
+             Peer("fsdp2", "fsdp2", "fully_shard per block + root"),
+             Peer("fsdp2-fused", "fsdp2", "fully_shard per block + root", fused=True)]
+    for suffix, stage, offload in ZERO_SETUPS:
+        where = ", offload optimizer" + (" + params" if stage == 3 else "") if offload else ""
+        peers += [Peer(f"{runtime}-{suffix}", runtime, f"stage {stage}{where}", stage, offload)
+                  for runtime in ("deepspeed", "deepshard")]
+    return {p.name: p for p in peers}
+
+
+PEERS = _peers()
+
+
+# ---------------------------------------------------------------- worker (one rank)
+
+def worker(peer: Peer, steps: int, warmup: int) -> None:
+    """Train as one rank of ``peer`` and print the result line, as train.py's worker does."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig())
+    params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 empties them
+    build = {"ddp": lambda: _build_ddp(model, fused=peer.fused),
+             "fsdp2": lambda: _build_fsdp2(model, fused=peer.fused)}.get(peer.runtime)
+    train_step, optimizer = build() if build else _build_engine(peer, model)
+    if build and optimizer == "AdamW":  # torch's default implementation for CPU tensors
+        optimizer = "AdamW(for-loop)"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus, seq_len = gpt.stdlib_corpus(), model.cfg.seq_len
+    times, losses = [], []
+    for step in range(warmup + steps):
+        indices = gpt.rank_indices(step, 0, rank, world, MICRO_BATCH, 1)
+        x, y = gpt.sample_batch(corpus, indices, SEED, seq_len)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = train_step(x, y)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    result = {"peer": peer.name, "rank": rank, "step_s": times[warmup:], "params": params,
+              "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+              "optimizer": optimizer, "losses": losses, "torch": torch.__version__,
+              "backend": dist.get_backend()}
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def _build_fsdp2(model, *, fused: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER_PARAMS,
+                                  **({"fused": True} if fused else {}))
+
+    def train_step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return train_step, _optimizer_label(optimizer)
+
+
+def _build_engine(peer: Peer, model):
+    if peer.runtime == "deepshard":
+        import deepshard as library
+    else:
+        import deepspeed as library
+    library.init_distributed()
+    engine, optimizer, _, _ = library.initialize(model=model, model_parameters=model.parameters(),
+                                                 config=peer.config)
+
+    def train_step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return train_step, _optimizer_label(getattr(optimizer, "optimizer", optimizer))
+
+
+# ---------------------------------------------------------------- parent (the table)
+
+def run_peer(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
+    """Start the peer's ranks and wait for them; a failure is an outcome, never an exception.
+
+    When one rank fails the others are killed at once (they would wait at a barrier).
+    """
+    from deepshard.launcher.cli import free_port
+
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if peer.foreign:
+        env["DS_ACCELERATOR"] = "cpu"
+    argv = [python, str(Path(__file__).resolve()), "--worker", peer.name,
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    with tempfile.TemporaryDirectory(prefix=f"bench-{peer.name}-") as tmp:
+        procs = [_spawn(argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        Path(tmp) / str(rank)) for rank in range(WORLD)]
+        codes = _wait(procs, args.timeout)
+        if None in codes:
+            return Outcome(peer, why_not=f"failed: timed out after {args.timeout:.0f} s")
+        # the rank that failed first, not one we killed for it
+        failed = sorted((code == -signal.SIGKILL, rank) for rank, code in enumerate(codes)
+                        if code != 0)
+        if failed:
+            rank = failed[0][1]
+            line = error_line(Path(tmp) / f"{rank}.err")
+            return Outcome(peer, why_not=f"failed: {line} (rank {rank}, exit {codes[rank]})")
+        return _collect(peer, procs, Path(tmp))
+
+
+def _spawn(argv: list[str], env: dict, stem: Path) -> subprocess.Popen:
+    with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
+        return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Exit codes once all succeeded or one failed; None for those still running at the
+    timeout. Whatever still runs is killed before returning."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]  # every one, to see each exit
+        if all(code == 0 for code in codes) or any(code not in (None, 0) for code in codes) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return codes
+
+
+def error_line(stderr: Path) -> str:
+    """The one line that says why a worker failed: the last error or exception line of its
+    stderr (a traceback's last line, ``deepshard: error: ...``), else the last line."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip())  # torch's prefix on tracebacks
+             for line in stderr.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "error:" in line
+              or "Exception" in line.split(":", 1)[0]]
+    line = (errors or lines or ["(no output on stderr)"])[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def table(outcomes: list[Outcome]) -> list[str]:
+    ran = {o.peer.name: o for o in outcomes if o.ranks}
+    baseline = ran["ddp"].median_s if "ddp" in ran else None
+    lines = ["| peer | s/step (median) | vs DDP | vs DeepSpeed | peak RSS rank0 / rank1 (MiB) "
+             "| final loss | notes |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for o in outcomes:
+        if not o.ranks:
+            why = o.why_not.replace("|", "\\|")
+            lines.append(f"| {o.peer.name} | - | - | - | - | - | {why} |")
+            continue
+        first, twin = o.ranks[0], ran.get(o.peer.twin or "")
+        vs_ddp = f"{o.median_s / baseline:.2f}" if baseline else "-"
+        vs_ds = f"{o.median_s / twin.median_s:.2f}" if twin else "-"
+        rss = " / ".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in o.ranks)
+        note = (f"{o.peer.note}; optimizer {first['optimizer']}, {first['backend']}; "
+                f"min {min(first['step_s']):.3f} max {max(first['step_s']):.3f} s")
+        lines.append(f"| {o.peer.name} | {o.median_s:.3f} | {vs_ddp} | {vs_ds} | {rss} | "
+                     f"{first['losses'][-1]:.4f} | {note} |")
+    return lines
+
+
+def loss_check(outcomes: list[Outcome]) -> str:
+    """One line: do all peers that ran end with the same loss (rank 0, last step)?"""
+    finals = {o.peer.name: o.ranks[0]["losses"][-1] for o in outcomes if o.ranks}
+    if len(finals) < 2:
+        return "final losses: fewer than 2 peers ran, nothing to compare"
+    reference = finals.get("ddp", next(iter(finals.values())))
+    off = {name: loss for name, loss in finals.items() if abs(loss - reference) > LOSS_TOLERANCE}
+    spread = max(finals.values()) - min(finals.values())
+    if not off:
+        return (f"final losses: all {len(finals)} peers that ran agree within {spread:.1e} "
+                f"(tolerance {LOSS_TOLERANCE:g})")
+    listed = ", ".join(f"{name} {loss:.6f}" for name, loss in off.items())
+    return f"final losses DIFFER from {reference:.6f} by more than {LOSS_TOLERANCE:g}: {listed}"
+
+
+def run_training(args: argparse.Namespace, names: list[str]) -> None:
+    ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
+    ds_missing_library = deepshard_missing()
+    runs: dict[str, list[Outcome]] = {name: [] for name in names}
+    for round_ in range(max(1, args.rounds)):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            peer = PEERS[name]
+            missing = (ds_missing if peer.foreign
+                       else ds_missing_library if peer.runtime == "deepshard" else "")
+            if missing:
+                print(f"skipping {name}: {missing}", file=sys.stderr)
+                runs[name].append(Outcome(peer, why_not=f"skipped: {missing}"))
+                continue
+            print(f"round {round_ + 1}: running {name} ...", file=sys.stderr, flush=True)
+            python = args.deepspeed_python if peer.foreign else sys.executable
+            outcome = run_peer(peer, python, args)
+            if outcome.why_not:
+                print(f"{name} {outcome.why_not}", file=sys.stderr)
+            runs[name].append(outcome)
+    outcomes = [merge(runs[name]) for name in names]
+
+    import torch
+
+    print(f"GPT reference size (examples/gpt.py GPTConfig()), fp32, {WORLD} ranks on CPU, "
+          f"1 thread each, micro-batch {MICRO_BATCH}/rank, seq 128, gas 1, AdamW lr 1e-4 wd 0.01; "
+          f"no clipping; median of {args.rounds} rounds x {args.steps} steps after "
+          f"{args.warmup} warm-up each, barrier before and after each step; rank 0's times")
+    print(f"{platform.node()}, {os.cpu_count()} cores ({cpu_model()}), "
+          f"Python {platform.python_version()}, torch {torch.__version__}"
+          + (f"; DeepSpeed peers: {ds_label} ({args.deepspeed_python})" if ds_label else ""))
+    print()
+    print("\n".join(table(outcomes)))
+    print()
+    print(loss_check(outcomes))
+    if args.json:
+        args.json.write_text(json.dumps([{"peer": o.peer.name, "ranks": o.ranks,
+                                          "skipped": o.why_not} for o in outcomes], indent=1))
+
+
+# ---------------------------------------------------------------- --adam: the optimizer step
+
+ADAM_IMPLS = {"torch-adamw": "torch.optim.AdamW (for-loop, the CPU default)",
+              "torch-adamw-fused": "torch.optim.AdamW(fused=True)",
+              "deepspeed-cpu-adam": "deepspeed.ops.adam.DeepSpeedCPUAdam"}
+
+
+def adam_worker(impl: str, numel: int, steps: int, warmup: int) -> None:
+    """Time ``steps`` optimizer steps on one flat tensor and print the result line."""
+    import torch
+
+    torch.set_num_threads(ADAM_THREADS)
+    result = {"impl": impl, "numel": numel, "threads": torch.get_num_threads()}
+    if impl == "deepspeed-cpu-adam":
+        result["max_diff"] = _cpu_adam_parity()
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel, generator=gen))
+    param.grad = torch.randn(numel, generator=gen)
+    optimizer = _adam(impl, [param])
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    result["step_s"] = times[warmup:]
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def _adam(impl: str, params: list):
+    import torch
+
+    if impl == "deepspeed-cpu-adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **OPTIMIZER_PARAMS)
+    return torch.optim.AdamW(params, **OPTIMIZER_PARAMS, fused=impl == "torch-adamw-fused")
+
+
+def _cpu_adam_parity(numel: int = 1 << 20, steps: int = 3) -> float:
+    """Largest difference between DeepSpeedCPUAdam's and torch AdamW's parameters."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    ours, theirs = (torch.nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(2))
+    theirs.data.copy_(ours.data)
+    optimizers = [_adam("deepspeed-cpu-adam", [ours]), _adam("torch-adamw", [theirs])]
+    for _ in range(steps):
+        grad = torch.randn(numel, generator=gen)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    return float((ours.detach() - theirs.detach()).abs().max())
+
+
+def run_adam(args: argparse.Namespace) -> None:
+    ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
+    sizes = [int(n) for n in args.adam_numel.split(",") if n.strip()]
+    lines = ["| optimizer | elements | threads | s/step (median) | G params/s | vs fused | notes |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for numel in sizes:
+        rows = {impl: _run_adam_impl(impl, numel, args, ds_missing) for impl in ADAM_IMPLS}
+        fused = rows["torch-adamw-fused"]
+        for impl, row in rows.items():
+            if isinstance(row, str):
+                lines.append(f"| {impl} | {numel / 1e6:.1f}M | - | - | - | - | {row} |")
+                continue
+            median = statistics.median(row["step_s"])
+            ratio = (f"{statistics.median(fused['step_s']) / median:.2f}"
+                     if isinstance(fused, dict) else "-")
+            note = ADAM_IMPLS[impl] + (f"; max diff to torch AdamW after 3 steps "
+                                       f"{row['max_diff']:.1e}" if "max_diff" in row else "")
+            lines.append(f"| {impl} | {numel / 1e6:.1f}M | {row['threads']} | {median:.4f} | "
+                         f"{numel / median / 1e9:.2f} | {ratio} | {note} |")
+    import torch
+
+    print(f"Optimizer step alone: one flat fp32 tensor, AdamW lr 1e-4 wd 0.01, "
+          f"{ADAM_THREADS} threads, median of {args.adam_steps} steps after {args.warmup} "
+          f"warm-up; vs fused = speed relative to torch AdamW(fused=True)")
+    print(f"{platform.node()}, {os.cpu_count()} cores ({cpu_model()}), "
+          f"Python {platform.python_version()}, torch {torch.__version__}"
+          + (f"; {ds_label} ({args.deepspeed_python})" if ds_label else ""))
+    print()
+    print("\n".join(lines))
+
+
+def _run_adam_impl(impl: str, numel: int, args: argparse.Namespace, ds_missing: str):
+    """The worker's result dict, or why there is none (a string)."""
+    foreign = impl.startswith("deepspeed")
+    if foreign and ds_missing:
+        return f"skipped: {ds_missing}"
+    print(f"running {impl} on {numel} elements ...", file=sys.stderr, flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(ADAM_THREADS),
+           "MKL_NUM_THREADS": str(ADAM_THREADS), "DS_ACCELERATOR": "cpu"}
+    argv = [args.deepspeed_python if foreign else sys.executable, str(Path(__file__).resolve()),
+            "--adam-worker", impl, "--adam-numel", str(numel),
+            "--adam-steps", str(args.adam_steps), "--warmup", str(args.warmup)]
+    with tempfile.TemporaryDirectory(prefix=f"bench-{impl}-") as tmp:
+        proc = _spawn(argv, env, Path(tmp) / "0")
+        code = _wait([proc], args.timeout)[0]
+        if code is None:
+            return f"failed: timed out after {args.timeout:.0f} s"
+        if code != 0:
+            return f"failed: {error_line(Path(tmp) / '0.err')} (exit {code})"
+        out = (Path(tmp) / "0.out").read_text(errors="replace").splitlines()
+        lines = [line for line in out if line.startswith(RESULT_TAG)]
+        if not lines:
+            return "failed: exited without a result line"
+        return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+# ---------------------------------------------------------------- command line
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated subset of {', '.join(PEERS)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per peer")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run the peer list this many times, rotating its order")
+    parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
+                        help="interpreter that can import deepspeed")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per peer")
+    parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    parser.add_argument("--adam", action="store_true",
+                        help="measure the CPU Adam step alone instead of training")
+    parser.add_argument("--adam-numel", default="27369472,273694720",
+                        help="comma-separated tensor sizes for --adam")
+    parser.add_argument("--adam-steps", type=int, default=20, help="timed steps for --adam")
+    parser.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
+    parser.add_argument("--adam-worker", choices=sorted(ADAM_IMPLS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(PEERS[args.worker], args.steps, args.warmup)
+    elif args.adam_worker:
+        adam_worker(args.adam_worker, int(args.adam_numel), args.adam_steps, args.warmup)
+    elif args.adam:
+        run_adam(args)
+    else:
+        names = [n.strip() for n in args.peers.split(",") if n.strip()]
+        unknown = [n for n in names if n not in PEERS]
+        if unknown:
+            parser.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+        run_training(args, names)
+
+
+if __name__ == "__main__":
+    main()
