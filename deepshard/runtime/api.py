@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..contract import RESTART_COUNT
 from ..errors import UsageError, exit_on_usage_error
+from .allocator import fix_mmap_threshold
 from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, plan_buckets
 from .config import load_config
 from .distributed import DEFAULT_PORT, init_distributed
@@ -60,6 +61,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                          hint="pass the torch.nn.Module to train as model=")
     source = _config_source(args, config if config is not None else config_params)
     _logging_setup()
+    fix_mmap_threshold()
     if not dist.is_initialized():
         init_distributed(distributed_port=distributed_port, verbose=False)
     layout = _layout(source, model, mpu)

@@ -35,6 +35,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 class PipelineEngine(DeepShardEngine):
     """A :class:`DeepShardEngine` whose module is one stage of a ``PipelineModule``."""
 
+    last_batch_timing: dict[str, float]
+    """Seconds of the last ``train_batch``: ``total_s`` (all of it), ``pipe_s`` (the 1F1B
+    schedule, before gradient reduction and the step), ``forward_s``/``backward_s`` (this
+    stage's compute) and ``busy_s`` (their sum); ``1 - busy_s / pipe_s`` is the stage's
+    bubble."""
+
     def __init__(self, parts: EngineParts, groups: ProcessGroups, tied: TiedWeightGroups):
         super().__init__(parts)
         if not isinstance(parts.module, PipelineModule):
@@ -69,7 +75,8 @@ class PipelineEngine(DeepShardEngine):
                              hint="build it with loss_fn=<function(outputs, labels)>")
         m = self._config.gradient_accumulation_steps
         started = time.perf_counter()
-        busy = 0.0
+        fwd = bwd = 0.0
+        pipe_s = None
         inputs, outputs, labels = {}, {}, {}
         losses = []
         grad_in: dict[int, torch.Tensor] = {}
@@ -97,7 +104,7 @@ class PipelineEngine(DeepShardEngine):
                     losses.append(loss.detach().float())
                     out = loss.float() * factor
                 outputs[mb] = out
-                busy += time.perf_counter() - t0
+                fwd += time.perf_counter() - t0
             elif isinstance(action, S.SendActivation):
                 if not torch.is_tensor(outputs[mb]):
                     raise UsageError("a pipeline stage must pass one tensor to the next",
@@ -119,10 +126,11 @@ class PipelineEngine(DeepShardEngine):
                 x = inputs.pop(mb)
                 if x.requires_grad and not self.is_first_stage():
                     grad_in[mb] = x.grad
-                busy += time.perf_counter() - t0
+                bwd += time.perf_counter() - t0
             elif isinstance(action, S.SendGrad):
                 _send(grad_in.pop(mb), prev)
             elif isinstance(action, S.ReduceTiedGrads):
+                pipe_s = time.perf_counter() - started
                 self._tied.all_reduce_grads(module)
             elif isinstance(action, S.ReduceGrads):
                 grads.reduce_all()
@@ -133,7 +141,9 @@ class PipelineEngine(DeepShardEngine):
         if self.num_stages > 1:
             src = self.grid.topology.stage_rank(dist.get_rank(), self.num_stages - 1)
             dist.broadcast(mean, src=src, group=self.grid.pipe_group)
-        self.last_batch_timing = {"total_s": time.perf_counter() - started, "busy_s": busy}
+        self.last_batch_timing = {
+            "total_s": time.perf_counter() - started, "pipe_s": pipe_s or 0.0,
+            "busy_s": fwd + bwd, "forward_s": fwd, "backward_s": bwd}
         heartbeat(self.counters.global_steps)
         return mean
 
