@@ -8,6 +8,7 @@ plain data parallelism.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,21 @@ from ...errors import UsageError
 from .pipe_module import PipelineModule
 from .tied import TiedWeightGroups
 from .topology import ProcessGroups, Topology
+
+logger = logging.getLogger("deepshard")
+
+
+def _warn_if_ignored(pipe: Mapping[str, Any], model: PipelineModule, origin: str) -> None:
+    """The module is built before initialize sees the config: say when the config asks
+    for another partition or checkpoint interval than the module was built with."""
+    said = {"partition_method": model.partition_method,
+            "activation_checkpoint_interval": model.activation_checkpoint_interval}
+    differ = [f"pipeline.{k} = {pipe[k]!r} (the module has {v!r})" for k, v in said.items()
+              if k in pipe and pipe[k] != v]
+    if differ and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("%s: %s: the PipelineModule was built before initialize read the "
+                       "config; pass these to PipelineModule(...) instead", origin,
+                       "; ".join(differ))
 
 
 @dataclass
@@ -47,6 +63,7 @@ class Layout:
                                  f"{model.num_stages} stages", where=f"{origin}: "
                                  "pipeline.stages", hint="make them agree (or write 'auto')")
             stages = model.num_stages
+            _warn_if_ignored(pipe, model, origin)
         elif isinstance(stages, int) and stages > 1:
             raise UsageError(f"pipeline.stages is {stages} but the model is a plain "
                              f"{type(model).__name__}", where=f"{origin}: pipeline.stages",
