@@ -5,7 +5,8 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 # compat: a plain .pth path entry, no import hook: keeps ds-run's start-up cheap
 EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: install install-test demo test lint bench bench-fanout bench-train clean
+.PHONY: install install-test demo test lint bench bench-fanout bench-train bench-zero \
+	bench-parallel clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -46,6 +47,13 @@ bench-fanout: install
 
 bench-train: install
 	$(PY) benchmarks/train.py
+
+bench-zero: install
+	$(PY) benchmarks/zero.py
+	$(PY) benchmarks/zero.py --adam
+
+bench-parallel: install
+	$(PY) benchmarks/parallel.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
