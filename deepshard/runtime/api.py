@@ -62,6 +62,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     source = _config_source(args, config if config is not None else config_params)
     _logging_setup()
     fix_mmap_threshold()
+    _exit_cleanly_on_sigterm()
     if not dist.is_initialized():
         init_distributed(distributed_port=distributed_port, verbose=False)
     layout = _layout(source, model, mpu)
@@ -72,9 +73,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     auto = {"pipeline.stages": layout.topology.pipe if layout else 1}
     loaded = load_config(source, world_size=dp_world, model=model, auto_values=auto)
     cfg = loaded.config
-    if rank == 0 and loaded.unimplemented:
+    ignored = [*loaded.unimplemented, *_no_effect(cfg)]
+    if rank == 0 and ignored:
         logger.warning("config keys DeepSpeed knows but deepshard does not implement "
-                       "(ignored): %s", ", ".join(loaded.unimplemented))
+                       "(ignored): %s", ", ".join(ignored))
     stage = cfg.zero_optimization.stage
     if layout is not None and layout.topology.pipe > 1 and stage > 1:
         raise UsageError(f"ZeRO stage {stage} cannot run with pipeline parallelism: it "
@@ -87,10 +89,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                          "optimizer.type", hint="use Adam/AdamW with ZeRO, or stage 0 for LAMB")
     device = _device()
     module = _place(model, cfg, device)
-    if stage < 3:
+    if stage < 3 or (layout is not None and layout.topology.tensor > 1):
         from .zero.init import materialize
 
-        materialize(module)  # built under zero.Init: whole again below stage 3
+        # built under zero.Init: whole again below stage 3, and for AutoTP to cut it
+        materialize(module)
     excluded: frozenset[int] = frozenset()
     if layout is not None:
         excluded = layout.prepare(module, _broadcast_from_rank0, rank)
@@ -153,6 +156,39 @@ def _config_source(args, config):
                          hint="pass config=<dict or path>, or --deepspeed_config <file> "
                               "with args=")
     return source
+
+
+# keys the config accepts (DeepSpeed's) that change nothing here: reported when set
+NO_EFFECT = {
+    "zero_optimization": ("stage3_max_reuse_distance", "sub_group_size",
+                          "allgather_bucket_size", "round_robin_gradients"),
+    "": ("prescale_gradients", "gradient_predivide_factor"),
+}
+
+
+def _no_effect(cfg) -> list[str]:
+    found = []
+    for section, keys in NO_EFFECT.items():
+        node = getattr(cfg, section) if section else cfg
+        found.extend(f"{section}.{k}" if section else k for k in keys
+                     if k in node.model_fields_set)
+    return found
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """ds-run stops workers with SIGTERM; by default that kills Python without running
+    finalizers (NVMe swap files would stay). A script's own handler is left alone."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _logging_setup() -> None:

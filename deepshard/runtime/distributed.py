@@ -9,6 +9,8 @@ CUDA and gloo otherwise, and does nothing when it is already initialised.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -222,4 +224,15 @@ def init_distributed(
                     dist_env.source)
     dist.init_process_group(backend=backend, init_method=init_method or "env://",
                             rank=dist_env.rank, world_size=dist_env.world_size, **kwargs)
+    # torch asks for destroy_process_group() before exit; without it, gloo's threads are
+    # sometimes torn down mid-flight at interpreter exit ("terminate called", SIGABRT)
+    atexit.register(_destroy_at_exit)
     return dist_env
+
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

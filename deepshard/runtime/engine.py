@@ -228,13 +228,19 @@ class DeepShardEngine(torch.nn.Module):
         if self.loss_scaler is not None:
             factor *= self.loss_scaler.loss_scale
         buckets.begin_backward(boundary)
+        zero = self._parts.zero
         try:
             (loss.float() * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        finally:
-            if self._parts.zero is not None:
-                self._parts.zero.end_backward(boundary)
+        except BaseException:
+            if zero is not None:
+                zero.abort_backward()
             else:
                 buckets.end_backward()
+            raise
+        if zero is not None:
+            zero.end_backward(boundary)
+        else:
+            buckets.end_backward()
         if boundary and self._parts.zero is None:
             buckets.finish()
         heartbeat(self.counters.global_steps)
@@ -427,6 +433,44 @@ class DeepShardEngine(torch.nn.Module):
         if zero is not None:
             zero.stepper.swap_out_all(self.optimizer)
         heartbeat(self.counters.global_steps)
+        return True
+
+    @exit_on_usage_error
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: rank 0 writes the module's state dict (its training dtype) to
+        ``save_dir/save_filename``, atomically. At ZeRO stage 3 the parameters are gathered
+        for it when ``stage3_gather_16bit_weights_on_model_save`` is set; otherwise nothing
+        is saved and False returned, as in DeepSpeed. Collective."""
+        from .zero.stage3 import GatheredParameters
+
+        if self._mp_topology() is not None or self._parts.mp_group is not None:
+            raise UsageError("save_16bit_model cannot gather a model split over pipeline or "
+                             "tensor-parallel ranks", where="engine.save_16bit_model",
+                             hint="save a checkpoint and consolidate it with "
+                                  "deepshard.get_fp32_state_dict()")
+        zero = self._parts.zero
+        if zero is not None and zero.stage == 3 and not \
+                self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            if self.global_rank == 0:
+                logger.warning("save_16bit_model: nothing saved; set zero_optimization."
+                               "stage3_gather_16bit_weights_on_model_save to gather the "
+                               "stage 3 parameters for it")
+            return False
+        params = list(self.module.parameters())
+        with GatheredParameters(params):
+            state = None
+            if self.global_rank == 0:
+                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()
+                         if not (exclude_frozen_parameters and k in frozen)}
+        if state is not None:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.partial")
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        self._barrier()
         return True
 
     def _module_state(self) -> dict:

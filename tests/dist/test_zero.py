@@ -56,6 +56,7 @@ def train(tmp_path, world: int, micro: int, gas: int, zero: dict, steps: int, ck
     (1, 2, 4, 1, "none"), (2, 2, 4, 1, "none"), (3, 2, 4, 1, "none"),
     (1, 4, 2, 2, "none"), (2, 4, 2, 2, "cpu"), (3, 4, 2, 2, "none"),
     (2, 2, 4, 2, "nvme"), (3, 2, 4, 1, "cpu"), (3, 2, 4, 2, "nvme"),
+    (3, 1, 8, 1, "none"),  # one rank: gathers are copies
 ])
 def test_stage_matches_single_process(tmp_path, stage, world, micro, gas, offload):
     steps = 4
@@ -170,17 +171,40 @@ def test_odd_sized_model_built_with_zero_init(tmp_path):
         numel for numel, part, _ in plain[0]["groups"] if not part)
 
 
-def test_gathered_parameters_modifier_rank(tmp_path):
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_gathered_parameters_modifier_rank_and_16bit_save(tmp_path, offload):
+    zero = {**zero_section(3, offload, tmp_path),
+            "stage3_gather_16bit_weights_on_model_save": True}
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
-                       zero_optimization=zero_section(3, "none", tmp_path))
-    result = run_ds("--num_gpus", "2", ZPROBE, "gathered", cfg, timeout=300)
+                       bf16={"enabled": True}, zero_optimization=zero)
+    result = run_ds("--num_gpus", "2", ZPROBE, "gathered", cfg, str(tmp_path / "out"),
+                    timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = {r: d for r, (_, d) in tagged_json(result.stdout, "RESULT").items()}
     for r in ranks.values():
         assert r["empty_before"] and r["empty_after"]
         assert r["whole_inside"] == [256, 64]
         assert r["seen"] == 0.125  # rank 1's change reached every rank's shard
-        assert 0 < r["moved"] < 0.01  # and the optimizer steps from there (lr 3e-3)
+        # and the optimizer steps from there (lr 3e-3), the fp32 masters too (even when
+        # they were swapped out to NVMe files)
+        assert 0 < r["moved"] < 0.01
+        assert r["saved"] is True
+    state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert state["blocks.0.fc.weight"].shape == (256, 64)
+    assert state["blocks.0.fc.weight"].dtype == torch.bfloat16
+    assert abs(float(state["blocks.0.fc.weight"].float().mean()) - 0.125) < 0.01
+
+
+@pytest.mark.parametrize(("stage", "flags"), [
+    (2, ("--skip",)),  # rank 1 leaves block 1 without gradients
+    (3, ("--reentrant", "--two-groups")),  # recomputed blocks, two flat groups per unit
+])
+def test_uneven_gradients_and_reentrant_recompute_match_stage_0(tmp_path, stage, flags):
+    got = _probe(tmp_path, 2, stage, *flags, steps=3)
+    base = _probe(tmp_path, 2, 0, *flags, steps=3)
+    for r in range(2):
+        torch.testing.assert_close(got[r]["losses"], base[r]["losses"], rtol=2e-6, atol=0)
+        assert abs(got[r]["checksum"] - base[r]["checksum"]) < 1e-3
 
 
 def test_lamb_on_zero_is_a_usage_error(tmp_path):

@@ -65,7 +65,8 @@ class PipelineEngine(DeepShardEngine):
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches drawn
         from ``data_iter`` (``(inputs, labels)`` each; the first stage reads inputs, the
-        last labels). Returns the mean loss, on every stage."""
+        last labels). Returns the mean loss over the whole batch (every data-parallel
+        replica), on every stage."""
         module: PipelineModule = self.module
         if (self.is_first_stage() or self.is_last_stage()) and data_iter is None:
             raise UsageError("train_batch() needs data_iter on the first and last stages",
@@ -138,6 +139,9 @@ class PipelineEngine(DeepShardEngine):
                 self.counters.micro_steps += m - 1
                 self.step()
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        if self.is_last_stage() and self.dp_world_size > 1:  # the batch's mean, as DeepSpeed
+            dist.all_reduce(mean, group=self._parts.group)
+            mean /= self.dp_world_size
         if self.num_stages > 1:
             src = self.grid.topology.stage_rank(dist.get_rank(), self.num_stages - 1)
             dist.broadcast(mean, src=src, group=self.grid.pipe_group)

@@ -89,6 +89,7 @@ class FlatGroup:
             src = self.read_shard().to(self.device, non_blocking=True)
             if self.spec.world == 1:
                 self.full.copy_(src)
+                self._attach()
             else:
                 self._work = dist.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)

@@ -32,7 +32,7 @@ class Init(contextlib.AbstractContextManager):
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
                  enabled=True, dtype=None, mpu=None, **kwargs):
-        del module, mem_efficient_linear, remote_device, pin_memory, config_dict_or_path
+        del mem_efficient_linear, remote_device, pin_memory, config_dict_or_path
         del config, mpu, kwargs
         self.enabled = enabled
         self.pg = data_parallel_group
@@ -40,6 +40,13 @@ class Init(contextlib.AbstractContextManager):
         self._saved: dict[type, object] = {}
         self._depth: dict[int, int] = {}
         self._apply = None
+        if module is not None and enabled:  # an existing model: partition it now
+            if not dist.is_initialized():
+                from ..distributed import init_distributed
+
+                init_distributed(verbose=False)
+            for m in module.modules():
+                self._partition(m)
 
     def __enter__(self):
         if not self.enabled:
@@ -114,12 +121,13 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def _keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool) -> None:
+def _keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool,
+                src_rank: int = 0) -> None:
     world = dist.get_world_size(pg)
     spec = ShardSpec(full.numel(), world)
     flat = full.reshape(-1).contiguous()
     if broadcast and world > 1:
-        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        src = dist.get_global_rank(pg, src_rank) if pg is not None else src_rank
         dist.broadcast(flat, src=src, group=pg)
     lo, hi = spec.bounds(dist.get_rank(pg))
     shard = torch.zeros(spec.shard, dtype=full.dtype, device=full.device)
@@ -127,6 +135,22 @@ def _keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool) 
     shard[:real] = flat[lo:lo + real]
     p.ds_shard, p.ds_shape, p.ds_numel, p.ds_pg = shard, full.shape, full.numel(), pg
     p.data = torch.empty(0, dtype=full.dtype, device=full.device)
+
+
+def init_gather(p: torch.nn.Parameter) -> None:
+    """Make a ``zero.Init`` parameter whole in place (``GatheredParameters``)."""
+    with torch.no_grad():
+        p.data = full_value(p)
+
+
+def init_repartition(p: torch.nn.Parameter, modifier_rank: int | None) -> None:
+    """Back to its slice after :func:`init_gather`: from ``modifier_rank``'s values when
+    given (broadcast), else the slice it had."""
+    with torch.no_grad():
+        if modifier_rank is None:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        else:
+            _keep_shard(p, p.data, p.ds_pg, broadcast=True, src_rank=modifier_rank)
 
 
 def full_value(p: torch.nn.Parameter) -> torch.Tensor:

@@ -19,6 +19,7 @@ norm and, with fp16, the same overflow decision.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class ShardStepper:
         host = offload.device in ("cpu", "nvme")
         self.separate: list[bool] = []
         self.step_tensors: list[torch.Tensor] = []
-        for g in self.groups:
+        for k, g in enumerate(self.groups):
             separate = half or (host and g.device.type != "cpu") or g.shard_elsewhere
             if separate:
                 device = torch.device("cpu") if host else g.device
@@ -69,7 +70,7 @@ class ShardStepper:
                 master = g.shard
             self.separate.append(separate)
             self.step_tensors.append(master)
-            g.on_modified = _refresh(master, g) if separate else None
+            g.on_modified = functools.partial(self.refresh_master, k) if separate else None
         self.master_grads = [torch.zeros_like(m) if s else None
                              for m, s in zip(self.step_tensors, self.separate, strict=True)]
         self.swapper = TensorSwapper(offload.nvme_path, rank, "optimizer") \
@@ -134,6 +135,21 @@ class ShardStepper:
         works = [w for w in (g.all_gather_replicated() for g in self.groups) if w is not None]
         for w in works:
             w.wait()
+
+    def refresh_master(self, k: int) -> None:
+        """Group ``k``'s fp32 master := its parameter shard (user code changed the
+        parameters, ``GatheredParameters(modifier_rank=...)``); into its swap file when the
+        master is swapped out."""
+        values = self.groups[k].read_shard().float()
+        meta = self._swapped.get(k)
+        if meta is not None and "master" in meta:
+            key = self._key(k, "master")
+            if key in self._writes:
+                self._writes.pop(key).result()
+            self.swapper.write(key, values.cpu().contiguous()).result()
+            return
+        with torch.no_grad():
+            self.step_tensors[k].copy_(values)
 
     def _copy_back(self, k: int) -> None:
         if self.separate[k]:
@@ -218,10 +234,3 @@ class ShardStepper:
         """Remove the swap files."""
         if self.swapper is not None:
             self.swapper.close()
-
-
-def _refresh(master: torch.Tensor, g: FlatGroup):
-    def refresh() -> None:
-        with torch.no_grad():
-            master.copy_(g.read_shard())
-    return refresh

@@ -121,14 +121,18 @@ def plan_groups(numels: Sequence[int], dtypes: Sequence[object],
 
     Without ``units`` (stages 1-2) parameters go in backward order (reverse registration),
     at most ``cap`` elements per group, so that the first group fills first in backward.
-    With ``units`` (stage 3, lists of parameter indices per unit) each unit's parameters of
-    at least ``persistence_threshold`` elements form partitioned groups of that unit; the
-    smaller ones form replicated groups as at stages 1-2.
+    With ``units`` (stage 3, lists of parameter indices per unit, in forward order) each
+    unit's parameters of at least ``persistence_threshold`` elements form partitioned
+    groups of that unit, last unit first (backward reaches it first); the smaller ones form
+    replicated groups as at stages 1-2, after them.
+
+    The order of the result is the order gradients are reduced in, the same on every rank.
     """
     group_of = {i: k for k, members in enumerate(opt_groups) for i in members}
     plans: list[GroupPlan] = []
     small: list[int] = []
-    for u, members in enumerate(units):
+    for u in reversed(range(len(units))):
+        members = units[u]
         big = [i for i in members if i in group_of and numels[i] >= persistence_threshold]
         small.extend(i for i in members if i in group_of and numels[i] < persistence_threshold)
         for key in _keys(big, dtypes, group_of):

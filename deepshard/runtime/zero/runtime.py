@@ -49,6 +49,16 @@ class ZeroRuntime:
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
+    def abort_backward(self) -> None:
+        """Autograd raised: drop staged gradients and gathered units, launch nothing more
+        (the other ranks' collectives would not match)."""
+        if isinstance(self.grads, Stage2Grads):
+            self.grads.abort_backward()
+        else:
+            self.grads.end_backward()
+        if self.coordinator is not None:
+            self.coordinator.end_backward()
+
     def zero(self) -> None:
         self.grads.zero()
 

@@ -2,11 +2,14 @@
 
 No full gradient buffer survives a backward. When a parameter's gradient is final (its
 post-accumulate-grad hook), it is copied into its flat group's *staging* buffer and the
-parameter's ``.grad`` is dropped; when every member of a group has arrived, the staging
-buffer is reduce-scattered in place, asynchronously, while autograd goes on. Completed
-reductions are added into the rank's gradient shard (accumulating over micro-batches, as
-DeepSpeed's stage 2 does: it reduces at every micro-step), and the staging buffer goes back
-to a small pool (``overlap_comm``: two buffers in flight, else one).
+parameter's ``.grad`` is dropped; once every member of a group has arrived, the staging
+buffer is reduce-scattered in place, asynchronously, while autograd goes on. Groups are
+launched strictly in plan order (a ready group waits for the ones before it), so every
+rank issues the same collectives in the same order even when ranks use different
+parameters. Completed reductions are added into the rank's gradient shard (accumulating
+over micro-batches, as DeepSpeed's stage 2 does: it reduces at every micro-step), and the
+staging buffer goes back to a small pool (``overlap_comm``: two buffers, else one), which
+is emptied at the end of each backward.
 
 Stage 3 uses the same machinery, with a callback telling it when a group's gradients are
 all staged, so that it can release the group's gathered parameters.
@@ -31,6 +34,7 @@ class StagingPool:
         self.capacity, self.depth, self.device = capacity, depth, device
         self._free: dict[torch.dtype, list[torch.Tensor]] = {}
         self._made: dict[torch.dtype, int] = {}
+        self._ours: set[int] = set()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer of ``numel`` elements, or ``None`` when the pool is exhausted."""
@@ -41,14 +45,22 @@ class StagingPool:
             return free.pop()[:numel]
         if self._made.get(dtype, 0) < self.depth:
             self._made[dtype] = self._made.get(dtype, 0) + 1
-            return torch.empty(self.capacity, dtype=dtype, device=self.device)[:numel]
+            base = torch.empty(self.capacity, dtype=dtype, device=self.device)
+            self._ours.add(id(base))
+            return base[:numel]
         return None
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer obtained from :meth:`take` (temporary ones are just dropped)."""
         base = buf._base if buf._base is not None else buf
-        if base.numel() == self.capacity:
+        if id(base) in self._ours:
             self._free.setdefault(buf.dtype, []).append(base)
+
+    def clear(self) -> None:
+        """Drop every pooled buffer (between steps the pool holds nothing)."""
+        self._free.clear()
+        self._made.clear()
+        self._ours.clear()
 
 
 class Stage2Grads:
@@ -75,6 +87,7 @@ class Stage2Grads:
                 self.group_of[i] = (gi, off)
         self._staging: list[torch.Tensor | None] = [None] * len(self.groups)
         self._pending = [len(g.params) for g in self.groups]
+        self._next = 0  # the next group to launch, in plan order
         self._seen = [False] * len(self.params)
         self._works: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []
         self._active = False
@@ -93,16 +106,28 @@ class Stage2Grads:
         self._active = False
         self.finish()
 
-    def finish(self) -> None:
-        """Launch the groups still open (missing gradients count as zero) and fold every
-        reduction into the shards."""
-        for gi in range(len(self.groups)):
-            if self._staging[gi] is not None or self._pending[gi] < len(self.groups[gi].params):
-                self._launch(gi)
+    def abort_backward(self) -> None:
+        """Called when backward raised: drop what was staged, launch nothing more."""
+        self._active = False
         while self._works:
             self._fold_oldest()
+        self._reset()
+
+    def finish(self) -> None:
+        """Launch the remaining groups in plan order (missing gradients count as zero) and
+        fold every reduction into the shards."""
+        while self._next < len(self.groups):
+            self._launch(self._next)
+        while self._works:
+            self._fold_oldest()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._staging = [None] * len(self.groups)
         self._pending = [len(g.params) for g in self.groups]
         self._seen = [False] * len(self.params)
+        self._next = 0
+        self.pool.clear()
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's averaged gradient shard of every group."""
@@ -144,8 +169,8 @@ class Stage2Grads:
         staging[off:off + grad.numel()].copy_(grad.reshape(-1))
         param.grad = None
         self._pending[gi] -= 1
-        if self._pending[gi] == 0:
-            self._launch(gi)
+        while self._next < len(self.groups) and self._pending[self._next] == 0:
+            self._launch(self._next)
 
     def _staging_of(self, gi: int) -> torch.Tensor:
         buf = self._staging[gi]
@@ -166,6 +191,7 @@ class Stage2Grads:
         staging = self._staging_of(gi)
         self._staging[gi] = None
         self._pending[gi] = 0
+        self._next = gi + 1
         g = self.groups[gi]
         wire = staging if self.comm_dtype in (None, staging.dtype) \
             else staging.to(self.comm_dtype)

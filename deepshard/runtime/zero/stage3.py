@@ -18,6 +18,10 @@ Lifecycle of a unit's partitioned parameters:
 Parameters smaller than ``stage3_param_persistence_threshold`` elements are not
 partitioned (as in DeepSpeed): they live in replicated groups on every rank, while their
 gradients and optimizer state are still sharded.
+
+Limits: the root unit (embeddings, head, anything outside the containers) stays gathered
+for the whole forward and the whole backward; every rank must run the same modules in the
+same order (as in DeepSpeed: gathers are collectives).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .flat import FlatGroup
+from .init import init_gather, init_repartition
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -57,6 +62,10 @@ def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
     for unit in unit_names:
         for _, p in model.get_submodule(unit).named_parameters(remove_duplicate=False):
             owners.setdefault(id(p), set()).add(unit)
+    # a parameter also held by a module outside every unit is used outside its unit's
+    # forward: it must belong to the root, which stays gathered around all of them
+    for p in _outside_units(model, set(unit_names)):
+        owners.setdefault(id(p), set()).add("")
     by_unit: dict[str, list[str]] = {n: [] for n in ["", *unit_names]}
     named = dict(model.named_parameters())
     for name in trainable:
@@ -64,6 +73,19 @@ def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
         by_unit[next(iter(units)) if len(units) == 1 else ""].append(name)
     order = ["", *unit_names]
     return UnitPlan(tuple(order), tuple(tuple(by_unit[n]) for n in order))
+
+
+def _outside_units(model: torch.nn.Module, units: set[str]) -> list[torch.nn.Parameter]:
+    """Parameters of the modules reached from the root without entering a unit."""
+    found, todo = [], [("", model)]
+    while todo:
+        name, module = todo.pop()
+        found.extend(module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if full not in units:
+                todo.append((full, child))
+    return found
 
 
 def _in_container(model: torch.nn.Module, name: str) -> bool:
@@ -162,6 +184,7 @@ class ParamCoordinator:
         """After a backward: nothing stays gathered; the first pass fixes the order."""
         for unit in self.units:
             unit.release()
+            unit.pending_grads = len(unit.groups)
         if self.trace:
             self._recording = False
         self._cursor = len(self.trace)
@@ -241,6 +264,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self.modifier_rank = modifier_rank
         self.groups: list[FlatGroup] = []
         self._was_gathered: list[bool] = []
+        self._init_params: list[torch.nn.Parameter] = []
 
     def __enter__(self):
         seen: set[int] = set()
@@ -252,17 +276,28 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self._was_gathered = [g.gathered for g in self.groups]
         for g in self.groups:
             g.gather()
+        # built under zero.Init and not yet given to initialize: whole for the block
+        self._init_params = [p for p in self.params if hasattr(p, "ds_shard")]
+        for p in self._init_params:
+            init_gather(p)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.modifier_rank is not None and exc[0] is None:
-            with torch.no_grad():
-                for g in self.groups:
-                    g.broadcast_full(self.modifier_rank)
-                    sync = getattr(g, "on_modified", None)
-                    if sync is not None:
-                        sync()
-        for g, was in zip(self.groups, self._was_gathered, strict=True):
-            if not was:
-                g.release()
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                with torch.no_grad():
+                    for g in self.groups:
+                        g.broadcast_full(self.modifier_rank)
+                        sync = getattr(g, "on_modified", None)
+                        if sync is not None:
+                            sync()
+                    for p in self._init_params:
+                        init_repartition(p, self.modifier_rank)
+            else:
+                for p in self._init_params:
+                    init_repartition(p, None)
+        finally:
+            for g, was in zip(self.groups, self._was_gathered, strict=True):
+                if not was:
+                    g.release()
         return None

@@ -1,15 +1,18 @@
 """NVMe offload: tensors kept in files, read and written asynchronously by worker threads.
 
-Each key is one file under this rank's swap directory (``<nvme_path>/deepshard-swap/
-<job>-rank<N>-<what>``), written and read with ``pwrite``/``pread`` from a thread pool so that the
-optimizer can step one group while the next is read and the previous written. The
-directory is removed when the swapper is closed (or the process exits normally).
+Each key is one file under the swapper's own directory (``<nvme_path>/deepshard-swap/
+<job>-rank<N>-<what>-<pid>-<random>``), written and read with ``pwrite``/``pread`` from a
+thread pool so that the optimizer can step one group while the next is read and the
+previous written. The directory is removed when the swapper is closed or the process exits
+(``initialize`` turns SIGTERM into a normal exit); a process killed outright leaves it,
+and the next swapper of the same job and rank (a restart) removes it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,10 +37,12 @@ class TensorSwapper:
                              where=f"zero_optimization.*.nvme_path = {str(base)!r}",
                              hint="point nvme_path at a writable directory on the NVMe "
                                   "drive") from None
-        job = os.environ.get(RUN_ID) or str(os.getpid())
-        self.directory = base / "deepshard-swap" / f"{job}-rank{rank}-{name}"
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory.mkdir(parents=True)
+        job = os.environ.get(RUN_ID) or "nojob"
+        root = base / "deepshard-swap"
+        root.mkdir(exist_ok=True)
+        prefix = f"{job}-rank{rank}-{name}-"
+        _remove_stale(root, prefix)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvme-swap")
         self._sizes: dict[str, int] = {}
         self._finalizer = weakref.finalize(self, _cleanup, self._pool, self.directory)
@@ -95,6 +100,24 @@ def _pread(path: Path, out: memoryview) -> None:
             done += n
     finally:
         os.close(fd)
+
+
+def _remove_stale(root: Path, prefix: str) -> None:
+    """Swap directories of this job and rank left by processes that are gone."""
+    for entry in root.glob(f"{prefix}*"):
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _cleanup(pool: ThreadPoolExecutor, directory: Path) -> None:

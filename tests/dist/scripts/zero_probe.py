@@ -5,19 +5,24 @@ Modes (argv[1]):
   ``deepshard.zero.Init`` with ``--init``; an odd-sized GPT with ``--odd``); report losses,
   state_bytes, the element counts of the flat groups, and the model's parameters whole
   (gathered with ``GatheredParameters``) as a checksum;
-- ``gathered <config.json>``: rank 1 writes a marker into a weight inside
+  ``--reentrant``: blocks recomputed by torch's reentrant checkpoint; ``--two-groups``:
+  the MLP weights in a second optimizer param group (two flat groups per stage 3 unit);
+  ``--skip``: rank 1 skips block 1 (its parameters get no gradient there);
+- ``gathered <config.json> <dir>``: rank 1 writes a marker into a weight inside
   ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
-  the shard, and after a training step.
+  the shard, and after a training step; then ``save_16bit_model(<dir>)``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -49,10 +54,24 @@ def _checksum(engine) -> float:
         return sum(float(p.detach().double().sum()) for p in params)
 
 
-def train(config_path: str, steps: int, under_init: bool, odd: bool) -> None:
+def train(config_path: str, steps: int, under_init: bool, odd: bool,
+          flags: set[str]) -> None:
     cfg = ODD if odd else TINY
     model = _model(cfg, under_init)
-    engine, _, _, _ = deepshard.initialize(model=model, config=config_path)
+    if "--reentrant" in flags:
+        model.checkpoint = functools.partial(torch.utils.checkpoint.checkpoint,
+                                             use_reentrant=True)
+    params = model.parameters()
+    if "--two-groups" in flags:
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if ".fc" not in n]},
+                  {"params": [p for n, p in named if ".fc" in n], "weight_decay": 0.05}]
+    if not dist.is_initialized():
+        deepshard.init_distributed(verbose=False)
+    if "--skip" in flags and dist.get_rank() == 1:
+        model.blocks[1].forward = lambda x: x
+    engine, _, _, _ = deepshard.initialize(model=model, model_parameters=params,
+                                           config=config_path)
     corpus = stdlib_corpus(1 << 20)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, world = dist.get_rank(), engine.dp_world_size
@@ -77,7 +96,7 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool) -> None:
                                for p in engine.module.parameters())}), flush=True)
 
 
-def gathered(config_path: str) -> None:
+def gathered(config_path: str, directory: str) -> None:
     model = _model(TINY, False)
     engine, _, _, _ = deepshard.initialize(model=model, config=config_path)
     rank = dist.get_rank()
@@ -96,9 +115,11 @@ def gathered(config_path: str) -> None:
     engine.step()
     with deepshard.zero.GatheredParameters([weight]):
         moved = float((weight.detach().double() - 0.125).abs().max())
+    saved = engine.save_16bit_model(directory)
     print("RESULT " + json.dumps({
         "rank": rank, "empty_before": empty_before, "whole_inside": whole_inside,
-        "empty_after": empty_after, "seen": seen, "moved": moved}), flush=True)
+        "empty_after": empty_after, "seen": seen, "moved": moved, "saved": saved}),
+        flush=True)
 
 
 if __name__ == "__main__":
@@ -106,8 +127,8 @@ if __name__ == "__main__":
     flags = {a for a in argv if a.startswith("--")}
     argv = [a for a in argv if not a.startswith("--")]
     if argv[0] == "train":
-        train(argv[1], int(argv[2]), "--init" in flags, "--odd" in flags)
+        train(argv[1], int(argv[2]), "--init" in flags, "--odd" in flags, flags)
     elif argv[0] == "gathered":
-        gathered(argv[1])
+        gathered(argv[1], argv[2])
     else:
         raise SystemExit(f"unknown mode {argv[0]}")
