@@ -57,6 +57,11 @@ class FlatGroup:
             for p, off, n in zip(self.params, flat.offsets, flat.numels, strict=True):
                 full[off:off + n].copy_(adopt(p).reshape(-1))
                 p.ds_shape, p.ds_numel = p.shape, n
+        # partitioned groups gather into this one tensor, whose storage is freed on
+        # release and allocated again on gather: views autograd saved during forward
+        # (e.g. a weight's transpose) then see the re-gathered values in backward instead
+        # of keeping a stale copy of the whole buffer alive in between
+        self._buffer = full
         if partitioned:
             pin = pin_memory and self.shard_device.type == "cpu" and torch.cuda.is_available()
             self.shard = torch.empty(self.spec.shard, dtype=self.dtype,
@@ -85,7 +90,9 @@ class FlatGroup:
         """Make the full parameters available (partitioned groups); ``async_op`` starts the
         all-gather and returns; :meth:`wait` (or a later ``gather``) completes it."""
         if self.full is None:
-            self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+            storage = self._buffer.untyped_storage()
+            storage.resize_(self.spec.padded * self._buffer.element_size())
+            self.full = self._buffer
             src = self.read_shard().to(self.device, non_blocking=True)
             if self.spec.world == 1:
                 self.full.copy_(src)
@@ -111,6 +118,7 @@ class FlatGroup:
         self.full = None
         for p in self.params:
             p.data = self._empty
+        self._buffer.untyped_storage().resize_(0)
 
     def _attach(self) -> None:
         for p, off, n, shape in zip(self.params, self.flat.offsets, self.flat.numels,

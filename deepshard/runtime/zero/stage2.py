@@ -182,13 +182,17 @@ class Stage2Grads:
                 buf = self.pool.take(g.spec.padded, g.dtype)
             if buf is None:
                 buf = torch.empty(g.spec.padded, dtype=g.dtype, device=g.device)
-            # padding, and members that get no gradient this backward, reduce as zeros
-            buf.zero_()
+            buf[g.flat.numel:].zero_()  # padding reduces as zeros
             self._staging[gi] = buf
         return buf
 
     def _launch(self, gi: int) -> None:
         staging = self._staging_of(gi)
+        if self._pending[gi]:  # members that got no gradient this backward reduce as zeros
+            g = self.groups[gi]
+            for i, off, n in zip(g.flat.params, g.flat.offsets, g.flat.numels, strict=True):
+                if not self._seen[i]:
+                    staging[off:off + n].zero_()
         self._staging[gi] = None
         self._pending[gi] = 0
         self._next = gi + 1
