@@ -155,7 +155,9 @@ class FlatGroup:
             with torch.no_grad():
                 self.shard.copy_(values)
             return
-        buf = values.detach().to(device="cpu", dtype=self.dtype).contiguous()
+        # a copy: the swapper hands the bytes to numpy, which pins the storage's size, and
+        # values may be a view of the gather buffer, whose storage is resized on release
+        buf = values.detach().to(device="cpu", dtype=self.dtype, copy=True)
         self.swapper.write(self.key, buf).result()
 
     @property

@@ -53,7 +53,8 @@ class TensorSwapper:
 
     def write(self, key: str, tensor: torch.Tensor) -> Future:
         """Write ``tensor`` (CPU, contiguous) to ``key``'s file. The tensor must not change
-        until the returned future is done."""
+        until the returned future is done, and its storage can no longer be resized (numpy
+        holds its bytes)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("only contiguous CPU tensors can be swapped")
         self._sizes[key] = tensor.numel() * tensor.element_size()
