@@ -94,7 +94,6 @@ PEERS = {p.name: p for p in (
 def worker(peer: Peer, steps: int, warmup: int) -> None:
     """Train as one rank of ``peer`` and print the result line (imports only what it needs)."""
     import torch
-    import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt
@@ -104,6 +103,18 @@ def worker(peer: Peer, steps: int, warmup: int) -> None:
     model = gpt.GPT(gpt.GPTConfig())
     params = sum(p.numel() for p in model.parameters())
     train_step, optimizer = _build(peer, model)
+    timed_steps(peer.name, model, train_step, optimizer, params, steps, warmup)
+
+
+def timed_steps(name: str, model, train_step, optimizer: str, params: int, steps: int,
+                warmup: int) -> None:
+    """Run ``warmup`` then ``steps`` timed steps of ``train_step(x, y)`` on this rank's
+    batches (a barrier before and after each) and print the result line; shared by the
+    benchmarks that train the example GPT."""
+    import gpt
+    import torch
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus, seq_len = gpt.stdlib_corpus(), model.cfg.seq_len
     times, losses = [], []
@@ -116,7 +127,7 @@ def worker(peer: Peer, steps: int, warmup: int) -> None:
         dist.barrier()
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
-    result = {"peer": peer.name, "rank": rank, "step_s": times[warmup:], "params": params,
+    result = {"peer": name, "rank": rank, "step_s": times[warmup:], "params": params,
               "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
               "optimizer": optimizer, "losses": losses, "torch": torch.__version__,
               "backend": dist.get_backend()}

@@ -53,7 +53,6 @@ import json
 import os
 import platform
 import re
-import resource
 import signal
 import statistics
 import subprocess
@@ -73,7 +72,6 @@ from train import (  # noqa: E402
     MICRO_BATCH,
     OPTIMIZER_PARAMS,
     RESULT_TAG,
-    SEED,
     WORLD,
     Outcome,
     _build_ddp,
@@ -83,6 +81,7 @@ from train import (  # noqa: E402
     deepshard_missing,
     deepspeed_version,
     merge,
+    timed_steps,
 )
 
 ZERO_SETUPS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z2-offload", 2, True),
@@ -149,7 +148,6 @@ PEERS = _peers()
 def worker(peer: Peer, steps: int, warmup: int) -> None:
     """Train as one rank of ``peer`` and print the result line, as train.py's worker does."""
     import torch
-    import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt
@@ -163,24 +161,7 @@ def worker(peer: Peer, steps: int, warmup: int) -> None:
     train_step, optimizer = build() if build else _build_engine(peer, model)
     if build and optimizer == "AdamW":  # torch's default implementation for CPU tensors
         optimizer = "AdamW(for-loop)"
-    rank, world = dist.get_rank(), dist.get_world_size()
-    corpus, seq_len = gpt.stdlib_corpus(), model.cfg.seq_len
-    times, losses = [], []
-    for step in range(warmup + steps):
-        indices = gpt.rank_indices(step, 0, rank, world, MICRO_BATCH, 1)
-        x, y = gpt.sample_batch(corpus, indices, SEED, seq_len)
-        dist.barrier()
-        start = time.perf_counter()
-        loss = train_step(x, y)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
-    result = {"peer": peer.name, "rank": rank, "step_s": times[warmup:], "params": params,
-              "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-              "optimizer": optimizer, "losses": losses, "torch": torch.__version__,
-              "backend": dist.get_backend()}
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    timed_steps(peer.name, model, train_step, optimizer, params, steps, warmup)
 
 
 def _build_fsdp2(model, *, fused: bool):
