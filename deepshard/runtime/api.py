@@ -268,9 +268,7 @@ def _bucket_elements(params) -> int:
 
 def _optimizer(cfg, client, model_parameters, params, masters):
     """The config's optimizer or the client's, stepping the fp32 masters when there are."""
-    if cfg.optimizer is not None and client is not None:
-        raise UsageError("an optimizer is given both in the config and as optimizer=",
-                         where="optimizer", hint="remove one of them")
+    _one_optimizer(cfg, client)
     mapping = masters.master_of() if masters is not None else None
     groups = _param_groups(model_parameters if model_parameters is not None else params,
                            mapping)
@@ -284,18 +282,9 @@ def _optimizer(cfg, client, model_parameters, params, masters):
     if client is None:
         return None
     if not isinstance(client, torch.optim.Optimizer):
-        if not callable(client):
-            raise UsageError(f"optimizer= is a {type(client).__name__}",
-                             where="initialize(optimizer=...)",
-                             hint="pass a torch.optim.Optimizer, or a callable that builds "
-                                  "one from the parameters")
-        return client(groups)
+        return _callable_client(client)(groups)
     if mapping is not None:
-        if client.state:
-            raise UsageError("the client optimizer already has state",
-                             where="initialize(optimizer=...)",
-                             hint="create the optimizer before any step, or let deepshard "
-                                  "build it from the config's optimizer section")
+        _fresh(client)
         for group in client.param_groups:
             group["params"] = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
     return client
@@ -306,15 +295,9 @@ def _zero(cfg, module, client, model_parameters, names, params, group, world, ra
     shards. Returns ``(zero, optimizer, names, params)`` for the sharded parameters."""
     from .zero.runtime import build_zero
 
-    if cfg.optimizer is not None and client is not None:
-        raise UsageError("an optimizer is given both in the config and as optimizer=",
-                         where="optimizer", hint="remove one of them")
+    _one_optimizer(cfg, client)
     if isinstance(client, torch.optim.Optimizer):
-        if client.state:
-            raise UsageError("the client optimizer already has state",
-                             where="initialize(optimizer=...)",
-                             hint="create the optimizer before any step, or let deepshard "
-                                  "build it from the config's optimizer section")
+        _fresh(client)
         source = client.param_groups
     else:
         items = list(model_parameters if model_parameters is not None else params)
@@ -354,14 +337,33 @@ def _zero(cfg, module, client, model_parameters, names, params, group, world, ra
         for g, new in zip(client.param_groups, groups, strict=True):
             g["params"] = new["params"]
         opt = client
-    elif callable(client):
-        opt = client(groups)
     else:
+        opt = _callable_client(client)(groups)
+    return zero, opt, names, params
+
+
+def _one_optimizer(cfg, client) -> None:
+    if cfg.optimizer is not None and client is not None:
+        raise UsageError("an optimizer is given both in the config and as optimizer=",
+                         where="optimizer", hint="remove one of them")
+
+
+def _fresh(client: torch.optim.Optimizer) -> None:
+    """A client optimizer whose parameters deepshard swaps must not have state yet."""
+    if client.state:
+        raise UsageError("the client optimizer already has state",
+                         where="initialize(optimizer=...)",
+                         hint="create the optimizer before any step, or let deepshard "
+                              "build it from the config's optimizer section")
+
+
+def _callable_client(client):
+    if not callable(client):
         raise UsageError(f"optimizer= is a {type(client).__name__}",
                          where="initialize(optimizer=...)",
                          hint="pass a torch.optim.Optimizer, or a callable that builds one "
                               "from the parameters")
-    return zero, opt, names, params
+    return client
 
 
 def _any_tensor(groups) -> bool:
