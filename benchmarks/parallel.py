@@ -16,28 +16,54 @@ gpt_pipe copies them into the stages) and sees the same global batches, so the l
 step 1 is the same in every row up to rounding; the table shows it, and the last loss.
 
 The bubble: after each ``train_batch`` the engine reports ``last_batch_timing`` =
-``{"total_s", "busy_s"}`` (wall seconds of the batch, seconds in Forward/Backward). A
-stage's measured bubble is ``1 - busy/total`` (median over the timed steps, mean over the
-stage's data/tensor ranks), set against the theory ``(P - 1) / (m + P - 1)``
-(``schedule.bubble_fraction``: equal stages, free communication) and against the 1F1B
-simulator run with each stage's measured compute per micro-batch (``schedule.simulate``:
-what the stage imbalance alone explains). ``total`` includes the gradient reduction and
-the optimizer step, which the theory leaves out; when the engine also reports
-``pipe_s`` (the schedule's wall time without them), a second column uses it. Without
-``forward_s``/``backward_s`` in the timing, the simulator splits busy time 1:2.
+``{"total_s", "pipe_s", "busy_s", "forward_s", "backward_s"}`` (wall seconds of the
+batch, of its 1F1B schedule, and in Forward/Backward). A stage's measured bubble is
+``1 - busy/wall`` (median over the timed steps, mean over the stage's data/tensor ranks),
+set against the theory ``(P - 1) / (m + P - 1)`` (``schedule.bubble_fraction``: equal
+stages, free communication) and against the 1F1B simulator run with each stage's measured
+compute per micro-batch (``schedule.simulate``: what the stage imbalance alone explains).
+Three walls, three columns:
+
+* ``total_s``: the whole batch, gradient reduction and optimizer step included (the theory
+  leaves them out). The batch ends with the loss broadcast from the last stage, which
+  returns on every stage together, so this window is the same on every stage.
+* the pipeline span: the step's largest ``pipe_s`` over the pipeline's ranks, i.e. the
+  schedule's wall time from the common start (a barrier) until the last stage to finish
+  it. The same window on every stage, without the reduction and the step: what the
+  theory describes.
+* each rank's own ``pipe_s``: shown for completeness; the last stage's schedule ends
+  before the first stage's last backward, so its own window is short and its bubble low.
+
+The bubble sweep's model (``--bubble-size``). The theory assumes stages that compute the
+same, and a bubble is a small difference of large numbers: a stage lighter than the
+slowest by a fraction d idles about d more of the batch, i.e. about ``m x d`` of the
+theory, relative (at m = 8, stages 2% apart put the lighter one 16% off theory). The
+reference GPT cannot be cut in two equal halves of whole layers (its 8192-vocab head and
+loss cost ~1.35 blocks: embedding + 3 blocks | 3 blocks + head is 3 | 4.35 blocks' worth,
+and moving a block gives 4 | 3.35). So the sweep
+defaults to ``balanced``: the reference GPT with the byte vocabulary its corpus really
+uses (``vocab_size`` 256; 6 blocks, d_model 512), split ``"uniform"`` into embedding + 3
+blocks | 3 blocks + head. The embedding and the 256-way head cost 1% and 5% of a block,
+and the two stages hold nearly the same parameters, so their compute per micro-batch is
+equal within noise: the table shows it (fwd+bwd per micro-batch by stage, with their
+max/min ratio). ``--bubble-size reference`` sweeps the unequal reference split
+(``--partition-method``, ``type:Block`` by default) instead, where the simulator column
+shows that the imbalance explains the gap to the theory.
 
 Honest caveats: 4 single-threaded ranks on a 2-core machine oversubscribe the CPU (two
 ranks per core), so the 4-rank rows time-share cores: a rank waiting in a receive frees
 its core for a peer, which inflates ``busy`` and hides the bubble. ``--bubble-stages 2``
-(the default) therefore also sweeps m over pipelines of P ranks alone (P = 2 on 2 ranks:
-no oversubscription by this benchmark, though other load on the machine still counts).
+(the default) therefore sweeps m over pipelines of P ranks alone (P = 2 on 2 ranks: no
+oversubscription by this benchmark, though other load on the machine still counts).
 
     python benchmarks/parallel.py [--size small|reference] [--steps 5] [--warmup 2]
                                   [--layouts dp4,pp2-dp2,...] [--bubble-stages 2,4]
-                                  [--bubble-m 1,2,4,8] [--partition-method type:Block]
+                                  [--bubble-m 1,2,4,8] [--bubble-size balanced|reference]
+                                  [--partition-method type:Block]
                                   [--json out.json]
 
-Pipelines are split with ``partition_method="type:Block"`` by default (blocks balanced, the
+The layouts' pipelines (and ``--bubble-size`` other than ``balanced``) are split with
+``partition_method="type:Block"`` by default (blocks balanced, the
 embedding with the first, the head with the last): ``"parameters"`` counts the embedding's
 many parameters as work and, at P = 4, gives it a stage of its own that idles.
 
@@ -76,7 +102,10 @@ OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}
 SIZES = {
     "small": {"n_layer": 4, "d_model": 256, "n_head": 4, "vocab_size": 4096},
     "reference": {},
+    "balanced": {"n_layer": 6, "vocab_size": 256},
 }
+"""``--size``/``--bubble-size`` -> ``GPTConfig`` fields; "balanced" is the bubble sweep's
+model (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -277,15 +306,29 @@ def median_step(outcome: Outcome) -> float:
 
 def stage_bubbles(outcome: Outcome, wall: str = "total_s") -> list[float] | None:
     """Per stage: ``1 - busy / wall`` (median over steps, mean over the stage's ranks);
-    None when the engine reported no such timing."""
+    None when the engine reported no such timing.
+
+    ``wall`` is a key of the engine's timing (``"total_s"``, ``"pipe_s"``: this rank's own
+    wall time), or ``"span"``: the step's largest ``pipe_s`` over all ranks, i.e. the 1F1B
+    schedule's wall time for the whole pipeline, the same window on every stage (the ranks
+    enter ``train_batch`` together, from a barrier)."""
+    walls = _spans(outcome) if wall == "span" else None
     by_stage: dict[int, list[float]] = {}
     for result in outcome.ranks:
-        fractions = [1.0 - t["busy_s"] / t[wall] for t in result["timing"]
-                     if t.get(wall) and "busy_s" in t]
+        fractions = [1.0 - t["busy_s"] / (walls[i] if walls else t.get(wall, 0.0))
+                     for i, t in enumerate(result["timing"])
+                     if (walls[i] if walls else t.get(wall)) and "busy_s" in t]
         if not fractions:
             return None
         by_stage.setdefault(result["coord"][0], []).append(statistics.median(fractions))
     return [statistics.mean(by_stage[s]) for s in sorted(by_stage)]
+
+
+def _spans(outcome: Outcome) -> list[float] | None:
+    """Per timed step, the largest ``pipe_s`` over the ranks (None when one lacks it)."""
+    steps = zip(*(result["timing"] for result in outcome.ranks), strict=True)
+    spans = [max(t.get("pipe_s") or 0.0 for t in step) for step in steps]
+    return spans if spans and all(spans) else None
 
 
 def stage_costs(outcome: Outcome) -> list[tuple[float, float]] | None:
@@ -322,8 +365,8 @@ def simulated_bubbles(costs: list[tuple[float, float]], micro_batches: int) -> l
 
 # ---------------------------------------------------------------- report
 
-def _fmt(values: list[float] | None) -> str:
-    return " / ".join(f"{v:.2f}" for v in values) if values else "-"
+def _fmt(values: list[float] | None, digits: int = 2) -> str:
+    return " / ".join(f"{v:.{digits}f}" for v in values) if values else "-"
 
 
 def layout_table(outcomes: list[Outcome]) -> list[str]:
@@ -354,27 +397,49 @@ def layout_table(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
+def _vs_theory(values: list[float] | None, theory: float) -> str:
+    """``0.118 / 0.115 (+6% / +4%)``: per stage, and off the theory relative to it."""
+    if not values:
+        return "-"
+    return (" / ".join(f"{v:.3f}" for v in values) + " ("
+            + " / ".join(f"{round((v - theory) / theory, 2) + 0.0:+.0%}" for v in values)
+            + ")")
+
+
 def bubble_table(outcomes: list[Outcome]) -> list[str]:
     from deepshard.runtime.parallel.schedule import bubble_fraction
 
-    lines = ["| P | m | ranks | s/step | measured 1 - busy/total, per stage | "
-             "1 - busy/pipe_s | theory (P-1)/(m+P-1) | simulated with measured stage costs "
-             "| notes |", "|---:|---:|---:|---:|---|---|---:|---|---|"]
+    lines = ["| P | m | ranks | s/step | fwd+bwd ms per micro-batch, per stage (max/min) | "
+             "1 - busy/total, per stage (vs theory) | 1 - busy/pipeline span (vs theory) | "
+             "1 - busy/own pipe_s | theory (P-1)/(m+P-1) | simulated with measured stage "
+             "costs |", "|---:|---:|---:|---:|---|---|---|---|---:|---|"]
     for o in outcomes:
         s = o.spec
         head = f"| {s.pipe} | {s.accumulation} | {s.world} |"
-        theory = f"{bubble_fraction(s.pipe, s.accumulation):.2f}"
+        theory = bubble_fraction(s.pipe, s.accumulation)
         if not o.ranks:
             why = o.why_not.replace("|", "\\|")
-            lines.append(f"{head} - | - | - | {theory} | - | {why} |")
+            lines.append(f"{head} - | {why} | - | - | - | {theory:.3f} | - |")
             continue
         costs = stage_costs(o)
         simulated = simulated_bubbles(costs, s.accumulation) if costs else None
-        per_mb = ", ".join(f"{f * 1e3:.0f}+{b * 1e3:.0f}" for f, b in costs) if costs else "-"
-        lines.append(f"{head} {median_step(o):.3f} | {_fmt(stage_bubbles(o))} | "
-                     f"{_fmt(stage_bubbles(o, 'pipe_s'))} | {theory} | {_fmt(simulated)} | "
-                     f"fwd+bwd ms per micro-batch by stage: {per_mb} |")
+        per_mb = "-"
+        if costs:
+            busy = [f + b for f, b in costs]
+            per_mb = (", ".join(f"{f * 1e3:.0f}+{b * 1e3:.0f}" for f, b in costs)
+                      + f" ({max(busy) / min(busy):.3f})")
+        lines.append(f"{head} {median_step(o):.3f} | {per_mb} | "
+                     f"{_vs_theory(stage_bubbles(o), theory)} | "
+                     f"{_vs_theory(stage_bubbles(o, 'span'), theory)} | "
+                     f"{_fmt(stage_bubbles(o, 'pipe_s'))} | {theory:.3f} | "
+                     f"{_fmt(simulated, 3)} |")
     return lines
+
+
+def _parts(outcomes: list[Outcome]) -> str:
+    """The layer boundaries the sweep's pipelines got (one line per distinct split)."""
+    seen = {str(o.ranks[0]["parts"]) for o in outcomes if o.ranks and o.ranks[0]["parts"]}
+    return ", ".join(sorted(seen)) or "-"
 
 
 def loss_check(outcomes: list[Outcome]) -> str:
@@ -399,6 +464,9 @@ def main() -> None:
                         help="pipelines of P ranks alone (P x 1 x 1) for the bubble sweep; "
                              "comma-separated, '' for none")
     parser.add_argument("--bubble-m", default="1,2,4,8", help="micro-batches per step")
+    parser.add_argument("--bubble-size", choices=sorted(SIZES), default="balanced",
+                        help="the bubble sweep's model: 'balanced' (2 equal stages, split "
+                             "'uniform') or any --size (split by --partition-method)")
     parser.add_argument("--partition-method", default="type:Block",
                         help="the PipelineModule's partition_method ('parameters' gives the "
                              "embedding a stage of its own at P = 4: its parameters are many, "
@@ -415,8 +483,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}")
     layouts = [layout_spec(n, args) for n in names]
-    sweep = [RunSpec(f"pp{p}-m{m}", p, p, 1, args.micro, m, args.size, args.steps, args.warmup,
-                     args.partition_method)
+    sweep_partition = "uniform" if args.bubble_size == "balanced" else args.partition_method
+    sweep = [RunSpec(f"pp{p}-m{m}", p, p, 1, args.micro, m, args.bubble_size, args.steps,
+                     args.warmup, sweep_partition)
              for p in map(int, filter(None, args.bubble_stages.split(",")))
              for m in map(int, filter(None, args.bubble_m.split(",")))]
     missing = deepshard_missing()
@@ -455,7 +524,10 @@ def print_report(args: argparse.Namespace, layouts: list[Outcome],
         print(loss_check(layouts))
     if sweep:
         print()
-        print("Pipeline bubble, P ranks alone (P x 1 x 1):")
+        partition = sweep[0].spec.partition
+        print(f"Pipeline bubble, P ranks alone (P x 1 x 1): GPT {args.bubble_size} "
+              f"({SIZES[args.bubble_size] or 'GPTConfig()'}), partition_method "
+              f"{partition!r}; the stage boundaries {_parts(sweep)}:")
         print("\n".join(bubble_table(sweep)))
     if args.json:
         args.json.write_text(json.dumps(
