@@ -3,7 +3,8 @@
 Gradients accumulate, as at stage 0, straight into full flat buffers (each parameter's
 ``.grad`` is a view); at an accumulation boundary each group's buffer is reduce-scattered
 *in place* from the post-accumulate-grad hook of its last parameter, overlapping the rest
-of backward, so that this rank's slice holds the averaged gradients of its shard.
+of backward, so that this rank's slice holds the averaged gradients of its shard
+(``comm.reduce_into_shard``: an all-reduce on gloo, where that is the faster collective).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..buckets import BucketLayout, GradBuckets
+from .comm import reduce_by_all_reduce, reduce_into_shard
 from .flat import FlatGroup
 
 
@@ -27,6 +29,7 @@ class Stage1Grads(GradBuckets):
         layouts = [BucketLayout(g.flat.params, g.flat.offsets, g.spec.padded, g.dtype)
                    for g in self.groups]
         super().__init__(params, layouts, pg, world, comm_dtype, names)
+        self.all_reduce = world > 1 and reduce_by_all_reduce(pg)
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's slice of every group's (reduced) gradients."""
@@ -37,6 +40,5 @@ class Stage1Grads(GradBuckets):
             return
         buf, g = self.buffers[b], self.groups[b]
         wire = buf if self.comm_dtype in (None, buf.dtype) else buf.to(self.comm_dtype)
-        work = dist.reduce_scatter_tensor(wire[g.lo:g.hi], wire, group=self.group,
-                                          async_op=True)
+        work = reduce_into_shard(wire, g.lo, g.hi, self.group, self.all_reduce)
         self._works.append((work, wire, b))

@@ -3,7 +3,8 @@
 No full gradient buffer survives a backward. When a parameter's gradient is final (its
 post-accumulate-grad hook), it is copied into its flat group's *staging* buffer and the
 parameter's ``.grad`` is dropped; once every member of a group has arrived, the staging
-buffer is reduce-scattered in place, asynchronously, while autograd goes on. Groups are
+buffer is reduce-scattered in place (``comm.reduce_into_shard``: all-reduced on gloo),
+asynchronously, while autograd goes on. Groups are
 launched strictly in plan order (a ready group waits for the ones before it), so every
 rank issues the same collectives in the same order even when ranks use different
 parameters. Completed reductions are added into the rank's gradient shard (accumulating
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from .comm import reduce_by_all_reduce, reduce_into_shard
 from .flat import FlatGroup
 
 
@@ -75,6 +77,7 @@ class Stage2Grads:
         self.names = tuple(names)
         self.pg, self.world, self.comm_dtype = pg, world, comm_dtype
         self.on_complete = on_complete
+        self.all_reduce = world > 1 and reduce_by_all_reduce(pg)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.shards = [torch.zeros(g.spec.shard, dtype=g.dtype, device=device)
                        for g in self.groups]
@@ -201,8 +204,7 @@ class Stage2Grads:
             else staging.to(self.comm_dtype)
         work = None
         if self.world > 1:
-            work = dist.reduce_scatter_tensor(wire[g.lo:g.hi], wire, group=self.pg,
-                                              async_op=True)
+            work = reduce_into_shard(wire, g.lo, g.hi, self.pg, self.all_reduce)
         self._works.append((work, wire, staging, gi))
         if self.on_complete is not None:
             self.on_complete(gi)
