@@ -15,6 +15,13 @@ peer, up to rounding, when they all compute the same thing; the script says if n
 Peers:
     ddp, ddp-fused          torch DistributedDataParallel, torch.optim.AdamW as users write it
                             (on CPU the per-tensor for-loop), and with fused=True
+    compute-floor           no data parallelism at all: each rank trains its own copy on its
+                            own batches with torch.optim.AdamW(fused=True) and never
+                            communicates (a gloo group only for the timing barriers), both
+                            ranks at once on the same cores: what a step costs with zero
+                            communication overhead, the bound no ZeRO implementation here
+                            can beat. Its loss differs from the others' (each rank averages
+                            only its own batch) and is left out of the loss check.
     fsdp2, fsdp2-fused      torch.distributed.fsdp.fully_shard on each block, then the root
                             (DTensor parameters sharded over both ranks, reduce-scatter on
                             gloo), torch.optim.AdamW as users write it (the for-loop again:
@@ -107,6 +114,12 @@ class Peer:
     fused: bool = False
 
     @property
+    def same_math(self) -> bool:
+        """Computes the data-parallel step every other peer computes (the final losses
+        must agree)."""
+        return self.runtime != "floor"
+
+    @property
     def foreign(self) -> bool:
         """Runs with the DeepSpeed interpreter."""
         return self.runtime == "deepspeed"
@@ -129,7 +142,9 @@ class Peer:
 
 
 def _peers() -> dict[str, Peer]:
-    peers = [Peer("ddp", "ddp", "DistributedDataParallel"),
+    peers = [Peer("compute-floor", "floor", "each rank alone, no gradient exchange",
+                  fused=True),
+             Peer("ddp", "ddp", "DistributedDataParallel"),
              Peer("ddp-fused", "ddp", "DistributedDataParallel", fused=True),
              Peer("fsdp2", "fsdp2", "fully_shard per block + root"),
              Peer("fsdp2-fused", "fsdp2", "fully_shard per block + root", fused=True)]
@@ -157,11 +172,30 @@ def worker(peer: Peer, steps: int, warmup: int) -> None:
     model = gpt.GPT(gpt.GPTConfig())
     params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 empties them
     build = {"ddp": lambda: _build_ddp(model, fused=peer.fused),
+             "floor": lambda: _build_floor(model),
              "fsdp2": lambda: _build_fsdp2(model, fused=peer.fused)}.get(peer.runtime)
     train_step, optimizer = build() if build else _build_engine(peer, model)
     if build and optimizer == "AdamW":  # torch's default implementation for CPU tensors
         optimizer = "AdamW(for-loop)"
     timed_steps(peer.name, model, train_step, optimizer, params, steps, warmup)
+
+
+def _build_floor(model):
+    """Each rank trains alone (the barriers of ``timed_steps`` are its only collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER_PARAMS, fused=True)
+
+    def train_step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return train_step, _optimizer_label(optimizer)
 
 
 def _build_fsdp2(model, *, fused: bool):
@@ -297,7 +331,8 @@ def table(outcomes: list[Outcome]) -> list[str]:
 
 def loss_check(outcomes: list[Outcome]) -> str:
     """One line: do all peers that ran end with the same loss (rank 0, last step)?"""
-    finals = {o.peer.name: o.ranks[0]["losses"][-1] for o in outcomes if o.ranks}
+    finals = {o.peer.name: o.ranks[0]["losses"][-1] for o in outcomes
+              if o.ranks and o.peer.same_math}
     if len(finals) < 2:
         return "final losses: fewer than 2 peers ran, nothing to compare"
     reference = finals.get("ddp", next(iter(finals.values())))
