@@ -215,3 +215,18 @@ def test_lamb_on_zero_is_a_usage_error(tmp_path):
     assert result.returncode == 2
     assert "optimizer.type" in result.stderr and "LAMB" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_both_shard_reductions_sum_into_every_shard(world):
+    """Gloo reduces by all-reduce (the faster collective there); the reduce-scatter NCCL
+    uses is checked on gloo too, so both branches of ``zero.comm`` run in CI."""
+    result = run_ds("--num_gpus", str(world), str(ROOT / "tests" / "dist" / "scripts" /
+                                                 "reduce_probe.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = {rank: data for rank, (_, data) in tagged_json(result.stdout, "RESULT").items()}
+    assert sorted(ranks) == list(range(world))
+    for data in ranks.values():
+        assert data["gloo_all_reduces"] is True
+        assert data["all_reduce"] == data["want"]
+        assert data["reduce_scatter"] == data["want"]
