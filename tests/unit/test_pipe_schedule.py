@@ -1,5 +1,5 @@
-"""The 1F1B schedule as data, checked action by action and run against itself in the
-rendezvous simulator (a send completes only together with its receive)."""
+"""The 1F1B and forward-only schedules as data, checked action by action and run against
+themselves in the rendezvous simulator (a send completes only together with its receive)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from deepshard.runtime.parallel.schedule import (
     SendActivation,
     SendGrad,
     bubble_fraction,
+    forward_only,
     one_f_one_b,
     simulate,
 )
@@ -168,3 +169,70 @@ def test_example_four_stages_six_micro_batches():
     last = one_f_one_b(4, 3, 6)
     assert list(last[:7]) == [LoadMicroBatch(0), RecvActivation(0), Forward(0), Backward(0),
                               LoadMicroBatch(1), RecvActivation(1), SendGrad(0)]
+
+
+# The forward-only (evaluation) schedule -------------------------------------------------
+
+
+def eval_stages(p: int, m: int):
+    return [forward_only(p, s, m) for s in range(p)]
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_forward_only_runs_without_deadlock(p):
+    for m in MICRO_BATCHES:
+        timeline = simulate(eval_stages(p, m))  # raises on deadlock or a mismatched pair
+        for s in range(p):
+            assert [e.action for e in timeline.of(s)] == list(forward_only(p, s, m))
+        # pipelined: stage s forwards micro-batch mb at time mb + s
+        assert timeline.makespan == m + p - 1
+        starts = {(e.stage, e.action.mb): e.start for e in timeline.events
+                  if type(e.action) is Forward}
+        assert starts == {(s, mb): float(mb + s) for s in range(p) for mb in range(m)}
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_forward_only_forwards_each_micro_batch_once_and_nothing_else(p):
+    for m in MICRO_BATCHES:
+        stages = eval_stages(p, m)
+        for s, actions in enumerate(stages):
+            order = list(actions)
+            assert mbs(order, Forward) == list(range(m))
+            assert {type(a) for a in order} <= {LoadMicroBatch, RecvActivation, Forward,
+                                                SendActivation}
+            assert mbs(order, LoadMicroBatch) == (list(range(m)) if s in (0, p - 1) else [])
+            assert mbs(order, RecvActivation) == (list(range(m)) if s > 0 else [])
+            assert mbs(order, SendActivation) == (list(range(m)) if s < p - 1 else [])
+            for mb in range(m):
+                if s in (0, p - 1):
+                    assert order.index(LoadMicroBatch(mb)) < order.index(Forward(mb))
+                if s > 0:
+                    assert order.index(RecvActivation(mb)) < order.index(Forward(mb))
+                if s < p - 1:
+                    assert order.index(Forward(mb)) < order.index(SendActivation(mb))
+        for s in range(p - 1):  # each link: the same micro-batches, in the same order
+            assert mbs(stages[s], SendActivation) == mbs(stages[s + 1], RecvActivation)
+
+
+def test_forward_only_example_middle_stage():
+    assert list(forward_only(stages=3, stage=1, micro_batches=2)) == [
+        RecvActivation(0), Forward(0), SendActivation(0),
+        RecvActivation(1), Forward(1), SendActivation(1)]
+    assert list(forward_only(stages=1, stage=0, micro_batches=2)) == [
+        LoadMicroBatch(0), Forward(0), LoadMicroBatch(1), Forward(1)]
+
+
+def test_forward_only_bad_arguments():
+    with pytest.raises(ValueError, match="stage 3 outside"):
+        forward_only(3, 3, 1)
+    with pytest.raises(ValueError, match="micro_batches >= 1"):
+        forward_only(2, 0, 0)
+
+
+def test_forward_only_interleaves_with_training_batches():
+    """Evaluation between two training batches: each stage runs the concatenation of its
+    lists, and the pipeline still pairs every send with its receive."""
+    for p in (2, 3, 4):
+        lists = [one_f_one_b(p, s, 4) + forward_only(p, s, 3) + one_f_one_b(p, s, 4)
+                 for s in range(p)]
+        simulate(lists)  # raises on deadlock or a mismatched pair

@@ -10,6 +10,10 @@ reduced over the data-parallel group (ZeRO 0 or 1), and the optimizer steps.
 The loss is computed on the last stage (``loss_fn(outputs, labels)``), scaled by
 ``1 / (micro-batches × data-parallel size)`` like any accumulated loss, and the batch's
 mean loss is broadcast to every stage, as DeepSpeed returns it.
+
+``engine.eval_batch(data_iter)`` runs the forward-only schedule
+(:func:`.schedule.forward_only`) under ``torch.no_grad()`` with the module in eval mode:
+no gradient, no step, no counter moves, so training continues exactly as without it.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class PipelineEngine(DeepShardEngine):
 
     def forward(self, *inputs, **kwargs):
         raise UsageError("a pipeline engine is driven by engine.train_batch(data_iter)",
-                         where="engine(...)", hint="call engine.train_batch(iter(loader))")
+                         where="engine(...)", hint="call engine.train_batch(iter(loader)), "
+                                                   "or engine.eval_batch(iter(loader))")
 
     @exit_on_usage_error
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -90,11 +95,7 @@ class PipelineEngine(DeepShardEngine):
         for action in S.one_f_one_b(self.num_stages, self.stage_id, m):
             mb = getattr(action, "mb", None)
             if isinstance(action, S.LoadMicroBatch):
-                batch = next(data_iter) if data_iter is not None else None
-                if self.is_first_stage():
-                    inputs[mb] = _to(batch[0], self.device)
-                if self.is_last_stage():
-                    labels[mb] = _to(batch[1], self.device)
+                self._load(data_iter, mb, inputs, labels)
             elif isinstance(action, S.RecvActivation):
                 inputs[mb] = _recv(prev, self.device).requires_grad_()
             elif isinstance(action, S.Forward):
@@ -107,12 +108,7 @@ class PipelineEngine(DeepShardEngine):
                 outputs[mb] = out
                 fwd += time.perf_counter() - t0
             elif isinstance(action, S.SendActivation):
-                if not torch.is_tensor(outputs[mb]):
-                    raise UsageError("a pipeline stage must pass one tensor to the next",
-                                     where=f"PipelineModule stage {self.stage_id}",
-                                     hint="return a single tensor from the last layer of "
-                                          "each stage")
-                _send(outputs[mb].detach(), nxt)
+                self._send_activation(outputs[mb], nxt)
             elif isinstance(action, S.RecvGrad):
                 grad_out[mb] = _recv(nxt, self.device)
             elif isinstance(action, S.Backward):
@@ -151,6 +147,136 @@ class PipelineEngine(DeepShardEngine):
         heartbeat(self.counters.global_steps)
         return mean
 
+    @exit_on_usage_error
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None):
+        """Evaluate one batch, DeepSpeed's ``PipelineEngine.eval_batch``: forward only.
+
+        Draws ``num_micro_batches`` (default ``gradient_accumulation_steps``) micro-batches
+        ``(inputs, labels)`` from ``data_iter`` on the first and last stages and runs them
+        through the pipeline under ``torch.no_grad()``, with the module in eval mode; every
+        submodule's train/eval mode is restored afterwards, also on an error. Nothing
+        else changes: no gradient, no optimizer step, no step counter, so a following
+        ``train_batch`` behaves exactly as without this call.
+
+        Args:
+            data_iter: the micro-batches (needed on the first and last stages).
+            return_logits: also return the last stage's module outputs.
+            compute_loss: apply the module's ``loss_fn(outputs, labels)`` on the last
+                stage (without one, or when False, the outputs themselves are reduced).
+            reduce_output: ``"avg"``: the mean over the micro-batches and over the
+                data-parallel replicas, like ``train_batch``'s loss; ``None``: the list of
+                this replica's per-micro-batch values.
+            bcast_loss: with ``compute_loss``, every stage of the pipeline returns the last
+                stage's result; otherwise only the last stage has it (others get None).
+            num_micro_batches: how many micro-batches to evaluate.
+
+        Returns:
+            The result above; with ``return_logits``, the pair ``(result, logits)`` where
+            ``logits`` are the last micro-batch's outputs on the last stage (None on other
+            stages), as DeepSpeed returns them.
+        """
+        m = self._check_eval_args(data_iter, reduce_output, num_micro_batches)
+        module = self.module
+        modes = [(sub, sub.training) for sub in module.modules()]
+        module.eval()
+        try:
+            with torch.no_grad():
+                values, logits = self._forward_only(data_iter, m, compute_loss)
+                result = None
+                if self.is_last_stage():
+                    result = values if reduce_output is None else self._replica_mean(values)
+                if compute_loss and bcast_loss:
+                    result = self._from_last_stage(result, listed=reduce_output is None)
+        finally:
+            for sub, mode in modes:
+                sub.training = mode
+        heartbeat(self.counters.global_steps)
+        return (result, logits) if return_logits else result
+
+    def _check_eval_args(self, data_iter, reduce_output, num_micro_batches) -> int:
+        where = "engine.eval_batch"
+        if not (reduce_output is None or (isinstance(reduce_output, str)
+                and reduce_output.lower() == "avg")):
+            raise UsageError(f"reduce_output={reduce_output!r} is not a reduction",
+                             where=where, hint='pass reduce_output="avg" for the mean, or '
+                                               "None for the per-micro-batch list")
+        if num_micro_batches is not None and (
+                isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int)
+                or num_micro_batches < 1):
+            raise UsageError(f"num_micro_batches={num_micro_batches!r} is not a count of "
+                             "micro-batches", where=where,
+                             hint="pass an int >= 1, or None for gradient_accumulation_steps")
+        if (self.is_first_stage() or self.is_last_stage()) and data_iter is None:
+            raise UsageError("eval_batch() needs data_iter on the first and last stages",
+                             where=where, hint="pass iter(your_loader)")
+        return num_micro_batches or self._config.gradient_accumulation_steps
+
+    def _forward_only(self, data_iter, m: int, compute_loss: bool):
+        """Run :func:`.schedule.forward_only`; returns the last stage's per-micro-batch
+        values (losses, or outputs without a loss) and its last outputs (else [], None)."""
+        module: PipelineModule = self.module
+        inputs, labels, outputs = {}, {}, {}
+        values, logits = [], None
+        for action in S.forward_only(self.num_stages, self.stage_id, m):
+            mb = action.mb
+            if isinstance(action, S.LoadMicroBatch):
+                self._load(data_iter, mb, inputs, labels)
+            elif isinstance(action, S.RecvActivation):
+                inputs[mb] = _recv(self.grid.prev_stage_rank, self.device)
+            elif isinstance(action, S.Forward):
+                out = module(inputs.pop(mb))
+                if not self.is_last_stage():
+                    outputs[mb] = out
+                    continue
+                logits, label = out, labels.pop(mb)
+                if compute_loss and module.loss_fn is not None:
+                    out = module.loss_fn(out, label).float()
+                values.append(out)
+            elif isinstance(action, S.SendActivation):
+                self._send_activation(outputs.pop(mb), self.grid.next_stage_rank)
+        return values, logits
+
+    def _replica_mean(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The mean over micro-batches, then over the data-parallel replicas."""
+        mean = torch.stack(values).mean(0)
+        if self.dp_world_size > 1:
+            dist.all_reduce(mean, group=self._parts.group)
+            mean /= self.dp_world_size
+        return mean
+
+    def _from_last_stage(self, value, listed: bool):
+        """The last stage's ``value`` on every stage of this pipeline: a tensor, or (when
+        ``listed``) a list of same-shaped tensors."""
+        if self.num_stages == 1:
+            return value
+        src = self.grid.topology.stage_rank(dist.get_rank(), self.num_stages - 1)
+        t = torch.stack(value) if listed and self.is_last_stage() else value
+        if t is not None:
+            t = t.contiguous()
+        header = _header(t) if self.is_last_stage() else \
+            torch.zeros(HEADER, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=src, group=self.grid.pipe_group)
+        if not self.is_last_stage():
+            t = _empty(header, self.device)
+        dist.broadcast(t, src=src, group=self.grid.pipe_group)
+        return list(t.unbind(0)) if listed else t
+
+    def _load(self, data_iter, mb: int, inputs: dict, labels: dict) -> None:
+        batch = next(data_iter) if data_iter is not None else None
+        if self.is_first_stage():
+            inputs[mb] = _to(batch[0], self.device)
+        if self.is_last_stage():
+            labels[mb] = _to(batch[1], self.device)
+
+    def _send_activation(self, out, dst: int) -> None:
+        if not torch.is_tensor(out):
+            raise UsageError("a pipeline stage must pass one tensor to the next",
+                             where=f"PipelineModule stage {self.stage_id}",
+                             hint="return a single tensor from the last layer of each stage")
+        _send(out.detach(), dst)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """In a pipeline every ``train_batch`` ends at a boundary (its last call to step)."""
         return True
@@ -160,8 +286,8 @@ def _to(x, device):
     return x.to(device) if torch.is_tensor(x) else x
 
 
-def _send(t: torch.Tensor, dst: int) -> None:
-    t = t.contiguous()
+def _header(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape and dtype as :data:`HEADER` int64s, for the receiver to allocate."""
     if t.dim() > HEADER - 2 or t.dtype not in DTYPES:
         raise UsageError(f"cannot pass a {t.dim()}-d {t.dtype} tensor between stages",
                          where="PipelineModule", hint=f"pass at most {HEADER - 2}-d tensors of "
@@ -169,15 +295,24 @@ def _send(t: torch.Tensor, dst: int) -> None:
     header = torch.zeros(HEADER, dtype=torch.int64, device=t.device)
     header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
     header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    dist.send(header, dst)
+    return header
+
+
+def _empty(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    ndim, code = int(header[0]), int(header[1])
+    return torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=DTYPES[code],
+                       device=device)
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    t = t.contiguous()
+    dist.send(_header(t), dst)
     dist.send(t, dst)
 
 
 def _recv(src: int, device: torch.device) -> torch.Tensor:
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src)
-    ndim, code = int(header[0]), int(header[1])
-    t = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=DTYPES[code],
-                    device=device)
+    t = _empty(header, device)
     dist.recv(t, src)
     return t

@@ -1,10 +1,12 @@
-"""The 1F1B pipeline schedule as data, and a simulator that proves it cannot deadlock.
+"""The pipeline schedules as data, and a simulator that proves they cannot deadlock.
 
 :func:`one_f_one_b` gives, for one stage, the list of actions that stage executes for one
 training batch of ``m`` micro-batches, in order: warm-up forwards, the steady state of
 one forward then one backward, cool-down backwards, then the gradient reductions and the
-optimizer step. Nothing here touches torch; an executor walks the list and performs each
-action (see the action classes for what each one means).
+optimizer step. :func:`forward_only` gives the evaluation counterpart (DeepSpeed's
+``InferenceSchedule``): each micro-batch in turn received, forwarded and sent on, with no
+backward and no step. Nothing here touches torch; an executor walks the list and performs
+each action (see the action classes for what each one means).
 
 Communication is point-to-point between neighbouring stages only, stage-relative:
 ``SendActivation``/``RecvGrad`` talk to ``stage + 1``, ``RecvActivation``/``SendGrad`` to
@@ -25,6 +27,9 @@ Seen from the link, ``s`` does send-act, recv-grad and ``s + 1`` does recv-act,
 send-grad: the two halves pair up in the same order. :func:`simulate` runs all stages'
 lists against each other under rendezvous semantics and raises on a deadlock or a
 mismatched pair; the tests run it for every ``P <= 8``, ``m <= 16``.
+
+The forward-only schedule carries activations only, each link in micro-batch order: a
+stage waits only on its predecessor, so the wait-for relation has no cycle.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ __all__ = [
     "OptimizerStep",
     "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads", "ScheduleDeadlock",
     "ScheduleError", "SendActivation", "SendGrad", "Timeline", "bubble_fraction",
-    "one_f_one_b", "simulate",
+    "forward_only", "one_f_one_b", "simulate",
 ]
 
 
@@ -62,14 +67,14 @@ class LoadMicroBatch(MicroBatchAction):
 
 @dataclass(frozen=True)
 class RecvActivation(MicroBatchAction):
-    """Receive ``mb``'s input activation from ``stage - 1`` (make it a leaf that requires
-    grad, so that backward yields the gradient to send back)."""
+    """Receive ``mb``'s input activation from ``stage - 1`` (in training, make it a leaf
+    that requires grad, so that backward yields the gradient to send back)."""
 
 
 @dataclass(frozen=True)
 class Forward(MicroBatchAction):
     """Run this stage's layers on ``mb``'s input; the last stage also applies the loss
-    function (scaled by ``1 / m``) and keeps the loss for backward."""
+    function (in training scaled by ``1 / m`` and kept for backward)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,12 @@ def _check_counts(stages: int, micro_batches: int) -> None:
                          f"{micro_batches}")
 
 
+def _check_stage(stages: int, stage: int, micro_batches: int) -> None:
+    _check_counts(stages, micro_batches)
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} outside 0..{stages - 1}")
+
+
 def one_f_one_b(stages: int, stage: int, micro_batches: int) -> tuple[Action, ...]:
     """The actions ``stage`` (of ``stages``) executes to train one batch of
     ``micro_batches``, in order (non-interleaved 1F1B, as in PipeDream-Flush/Megatron).
@@ -132,9 +143,7 @@ def one_f_one_b(stages: int, stage: int, micro_batches: int) -> tuple[Action, ..
     micro-batches' activations are alive on it at any time. Ends with
     :class:`ReduceTiedGrads`, :class:`ReduceGrads`, :class:`OptimizerStep` on every stage.
     """
-    _check_counts(stages, micro_batches)
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage {stage} outside 0..{stages - 1}")
+    _check_stage(stages, stage, micro_batches)
     first, last = stage == 0, stage == stages - 1
     warmup = min(stages - stage - 1, micro_batches)
     actions: list[Action] = []
@@ -170,6 +179,30 @@ def one_f_one_b(stages: int, stage: int, micro_batches: int) -> tuple[Action, ..
             forward(f)
         backward(b, f + 1 if f + 1 < micro_batches else None)
     actions += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+    return tuple(actions)
+
+
+def forward_only(stages: int, stage: int, micro_batches: int) -> tuple[Action, ...]:
+    """The actions ``stage`` (of ``stages``) executes to evaluate one batch of
+    ``micro_batches``, in order: for each micro-batch, load it (first and last stage),
+    receive its input from ``stage - 1`` (all but the first), forward it, send the output
+    to ``stage + 1`` (all but the last). No backward, no reduction, no step.
+
+    With every forward taking one unit, the batch takes ``m + P - 1`` units: stage ``s``
+    forwards micro-batch ``mb`` at time ``mb + s``, while its predecessor is already on
+    ``mb + 1``.
+    """
+    _check_stage(stages, stage, micro_batches)
+    first, last = stage == 0, stage == stages - 1
+    actions: list[Action] = []
+    for mb in range(micro_batches):
+        if first or last:
+            actions.append(LoadMicroBatch(mb))
+        if not first:
+            actions.append(RecvActivation(mb))
+        actions.append(Forward(mb))
+        if not last:
+            actions.append(SendActivation(mb))
     return tuple(actions)
 
 
