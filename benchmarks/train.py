@@ -169,14 +169,21 @@ def _build_ddp(model, *, fused: bool):
     optimizer = torch.optim.AdamW(ddp.parameters(), **OPTIMIZER_PARAMS,
                                   **({"fused": True} if fused else {}))
 
+    return torch_train_step(ddp, optimizer), _optimizer_label(optimizer)
+
+
+def torch_train_step(module, optimizer):
+    """``train_step(x, y)`` as plain torch users write it: zero the grads, forward,
+    backward, step; returns the detached loss."""
+
     def train_step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
+        loss = module(x, y)
         loss.backward()
         optimizer.step()
         return loss.detach()
 
-    return train_step, _optimizer_label(optimizer)
+    return train_step
 
 
 def _optimizer_label(optimizer) -> str:

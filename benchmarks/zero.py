@@ -89,6 +89,7 @@ from train import (  # noqa: E402
     deepspeed_version,
     merge,
     timed_steps,
+    torch_train_step,
 )
 
 ZERO_SETUPS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z2-offload", 2, True),
@@ -188,14 +189,7 @@ def _build_floor(model):
     dist.init_process_group("gloo")
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER_PARAMS, fused=True)
 
-    def train_step(x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return train_step, _optimizer_label(optimizer)
+    return torch_train_step(model, optimizer), _optimizer_label(optimizer)
 
 
 def _build_fsdp2(model, *, fused: bool):
@@ -212,14 +206,7 @@ def _build_fsdp2(model, *, fused: bool):
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER_PARAMS,
                                   **({"fused": True} if fused else {}))
 
-    def train_step(x, y):
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    return train_step, _optimizer_label(optimizer)
+    return torch_train_step(model, optimizer), _optimizer_label(optimizer)
 
 
 def _build_engine(peer: Peer, model):
