@@ -95,7 +95,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from train import RESULT_TAG, cpu_model, deepshard_missing  # noqa: E402
+from train import RESULT_TAG, cpu_model, deepshard_missing, error_line, wait_all  # noqa: E402
 
 SEED = 1234
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}
@@ -250,7 +250,7 @@ def run(spec: RunSpec, timeout: float) -> Outcome:
                 procs.append(subprocess.Popen(
                     argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT,
                     stdout=out, stderr=err, stdin=subprocess.DEVNULL))
-        codes = _wait(procs, timeout)
+        codes = wait_all(procs, timeout)
         if None in codes:
             return Outcome(spec, why_not=f"failed: timed out after {timeout:.0f} s")
         # the rank that failed first, not one killed for it
@@ -268,33 +268,6 @@ def run(spec: RunSpec, timeout: float) -> Outcome:
                 return Outcome(spec, why_not=f"failed: rank {rank} printed no result line")
             ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
         return Outcome(spec, tuple(ranks))
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes once all succeeded or one failed (None: still running at the timeout);
-    whatever still runs is killed before returning (it would wait at a barrier)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(code == 0 for code in codes) or any(code not in (None, 0) for code in codes) \
-                or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    return codes
-
-
-def error_line(stderr: Path) -> str:
-    """The last error or exception line of a worker's stderr, else its last line."""
-    lines = [line.strip() for line in stderr.read_text(errors="replace").splitlines()
-             if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "error:" in line
-              or "Exception" in line.split(":", 1)[0]]
-    line = (errors or lines or ["(no output on stderr)"])[-1]
-    return line if len(line) <= 300 else line[:297] + "..."
 
 
 # ---------------------------------------------------------------- analysis (pure)

@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import statistics
@@ -218,21 +219,38 @@ def run_peer(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory(prefix=f"bench-{peer.name}-") as tmp:
         procs = [_start_rank(peer, python, rank, port, args, Path(tmp)) for rank in range(WORLD)]
-        deadline = time.monotonic() + args.timeout
-        while True:
-            codes = [p.poll() for p in procs]  # every one, to see each exit
-            done = all(code == 0 for code in codes)
-            failed = any(code not in (None, 0) for code in codes)
-            if done or failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        if not (done or failed):
+        codes = wait_all(procs, args.timeout)
+        if None in codes and all(code in (None, 0) for code in codes):
             return Outcome(peer, why_not=f"failed: timed out after {args.timeout:.0f} s")
         return _collect(peer, procs, Path(tmp))
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Exit codes once all succeeded or one failed; None for those still running at the
+    timeout. Whatever still runs is killed before returning (it would wait at a barrier)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]  # every one, to see each exit
+        if all(code == 0 for code in codes) or any(code not in (None, 0) for code in codes) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return codes
+
+
+def error_line(stderr: Path) -> str:
+    """The one line that says why a worker failed: the last error or exception line of its
+    stderr (a traceback's last line, ``deepshard: error: ...``), else the last line."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip())  # torch's prefix on tracebacks
+             for line in stderr.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "error:" in line
+              or "Exception" in line.split(":", 1)[0]]
+    line = (errors or lines or ["(no output on stderr)"])[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _start_rank(peer: Peer, python: str, rank: int, port: int, args: argparse.Namespace,
@@ -343,25 +361,36 @@ def main() -> None:
         parser.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
 
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
-    runs: dict[str, list[Outcome]] = {name: [] for name in names}
-    for round_ in range(max(1, args.rounds)):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            peer = PEERS[name]
-            missing = (ds_missing if peer.foreign
-                       else deepshard_missing() if name == "deepshard" else "")
-            if missing:
-                print(f"skipping {name}: {missing}", file=sys.stderr)
-                runs[name].append(Outcome(peer, why_not=f"skipped: {missing}"))
-                continue
-            print(f"round {round_ + 1}: running {name} ...", file=sys.stderr, flush=True)
-            python = args.deepspeed_python if peer.foreign else sys.executable
-            outcome = run_peer(peer, python, args)
-            if outcome.why_not:
-                print(f"{name} {outcome.why_not}", file=sys.stderr)
-            runs[name].append(outcome)
 
-    print_report(args, [merge(runs[name]) for name in names], ds_label)
+    def missing(peer: Peer) -> str:
+        return ds_missing if peer.foreign else deepshard_missing() if peer.name == "deepshard" \
+            else ""
+
+    print_report(args, run_rounds([PEERS[n] for n in names], args, run_peer, missing),
+                 ds_label)
+
+
+def run_rounds(peers: list, args: argparse.Namespace, run, missing) -> list[Outcome]:
+    """Every peer once per round (``args.rounds``, each round starting one peer later),
+    merged per peer in the order given. ``run(peer, python, args)`` runs one, with the
+    DeepSpeed interpreter for ``peer.foreign`` ones; a peer for which ``missing(peer)``
+    gives a reason is skipped with it."""
+    runs: dict[str, list[Outcome]] = {peer.name: [] for peer in peers}
+    for round_ in range(max(1, args.rounds)):
+        shift = round_ % len(peers)
+        for peer in peers[shift:] + peers[:shift]:
+            why = missing(peer)
+            if why:
+                print(f"skipping {peer.name}: {why}", file=sys.stderr)
+                runs[peer.name].append(Outcome(peer, why_not=f"skipped: {why}"))
+                continue
+            print(f"round {round_ + 1}: running {peer.name} ...", file=sys.stderr, flush=True)
+            python = args.deepspeed_python if peer.foreign else sys.executable
+            outcome = run(peer, python, args)
+            if outcome.why_not:
+                print(f"{peer.name} {outcome.why_not}", file=sys.stderr)
+            runs[peer.name].append(outcome)
+    return [merge(runs[peer.name]) for peer in peers]
 
 
 def merge(outcomes: list[Outcome]) -> Outcome:

@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -87,9 +86,11 @@ from train import (  # noqa: E402
     cpu_model,
     deepshard_missing,
     deepspeed_version,
-    merge,
+    error_line,
+    run_rounds,
     timed_steps,
     torch_train_step,
+    wait_all,
 )
 
 ZERO_SETUPS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z2-offload", 2, True),
@@ -247,7 +248,7 @@ def run_peer(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
     with tempfile.TemporaryDirectory(prefix=f"bench-{peer.name}-") as tmp:
         procs = [_spawn(argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                         Path(tmp) / str(rank)) for rank in range(WORLD)]
-        codes = _wait(procs, args.timeout)
+        codes = wait_all(procs, args.timeout)
         if None in codes:
             return Outcome(peer, why_not=f"failed: timed out after {args.timeout:.0f} s")
         # the rank that failed first, not one we killed for it
@@ -264,34 +265,6 @@ def _spawn(argv: list[str], env: dict, stem: Path) -> subprocess.Popen:
     with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
         return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL)
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes once all succeeded or one failed; None for those still running at the
-    timeout. Whatever still runs is killed before returning."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]  # every one, to see each exit
-        if all(code == 0 for code in codes) or any(code not in (None, 0) for code in codes) \
-                or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    return codes
-
-
-def error_line(stderr: Path) -> str:
-    """The one line that says why a worker failed: the last error or exception line of its
-    stderr (a traceback's last line, ``deepshard: error: ...``), else the last line."""
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip())  # torch's prefix on tracebacks
-             for line in stderr.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "error:" in line
-              or "Exception" in line.split(":", 1)[0]]
-    line = (errors or lines or ["(no output on stderr)"])[-1]
-    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def table(outcomes: list[Outcome]) -> list[str]:
@@ -335,24 +308,12 @@ def loss_check(outcomes: list[Outcome]) -> str:
 def run_training(args: argparse.Namespace, names: list[str]) -> None:
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
     ds_missing_library = deepshard_missing()
-    runs: dict[str, list[Outcome]] = {name: [] for name in names}
-    for round_ in range(max(1, args.rounds)):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            peer = PEERS[name]
-            missing = (ds_missing if peer.foreign
-                       else ds_missing_library if peer.runtime == "deepshard" else "")
-            if missing:
-                print(f"skipping {name}: {missing}", file=sys.stderr)
-                runs[name].append(Outcome(peer, why_not=f"skipped: {missing}"))
-                continue
-            print(f"round {round_ + 1}: running {name} ...", file=sys.stderr, flush=True)
-            python = args.deepspeed_python if peer.foreign else sys.executable
-            outcome = run_peer(peer, python, args)
-            if outcome.why_not:
-                print(f"{name} {outcome.why_not}", file=sys.stderr)
-            runs[name].append(outcome)
-    outcomes = [merge(runs[name]) for name in names]
+
+    def missing(peer: Peer) -> str:
+        return ds_missing if peer.foreign \
+            else ds_missing_library if peer.runtime == "deepshard" else ""
+
+    outcomes = run_rounds([PEERS[name] for name in names], args, run_peer, missing)
 
     import torch
 
@@ -470,7 +431,7 @@ def _run_adam_impl(impl: str, numel: int, args: argparse.Namespace, ds_missing: 
             "--adam-steps", str(args.adam_steps), "--warmup", str(args.warmup)]
     with tempfile.TemporaryDirectory(prefix=f"bench-{impl}-") as tmp:
         proc = _spawn(argv, env, Path(tmp) / "0")
-        code = _wait([proc], args.timeout)[0]
+        code = wait_all([proc], args.timeout)[0]
         if code is None:
             return f"failed: timed out after {args.timeout:.0f} s"
         if code != 0:
