@@ -4,13 +4,12 @@ No full gradient buffer survives a backward. When a parameter's gradient is fina
 post-accumulate-grad hook), it is copied into its flat group's *staging* buffer and the
 parameter's ``.grad`` is dropped; once every member of a group has arrived, the staging
 buffer is reduce-scattered in place (``comm.reduce_into_shard``: all-reduced on gloo),
-asynchronously, while autograd goes on. Groups are
-launched strictly in plan order (a ready group waits for the ones before it), so every
-rank issues the same collectives in the same order even when ranks use different
-parameters. Completed reductions are added into the rank's gradient shard (accumulating
-over micro-batches, as DeepSpeed's stage 2 does: it reduces at every micro-step), and the
-staging buffer goes back to a small pool (``overlap_comm``: two buffers, else one), which
-is emptied at the end of each backward.
+asynchronously, while autograd goes on. Groups are launched strictly in plan order (a
+ready group waits for the ones before it), so every rank issues the same collectives in
+the same order even when ranks use different parameters. Completed reductions are added
+into the rank's gradient shard (accumulating over micro-batches, as DeepSpeed's stage 2
+does: it reduces at every micro-step), and the staging buffer goes back to a small pool
+(``overlap_comm``: two buffers, else one), which is emptied at the end of each backward.
 
 Stage 3 uses the same machinery, with a callback telling it when a group's gradients are
 all staged, so that it can release the group's gathered parameters.
@@ -190,16 +189,14 @@ class Stage2Grads:
         return buf
 
     def _launch(self, gi: int) -> None:
-        staging = self._staging_of(gi)
+        g, staging = self.groups[gi], self._staging_of(gi)
         if self._pending[gi]:  # members that got no gradient this backward reduce as zeros
-            g = self.groups[gi]
             for i, off, n in zip(g.flat.params, g.flat.offsets, g.flat.numels, strict=True):
                 if not self._seen[i]:
                     staging[off:off + n].zero_()
         self._staging[gi] = None
         self._pending[gi] = 0
         self._next = gi + 1
-        g = self.groups[gi]
         wire = staging if self.comm_dtype in (None, staging.dtype) \
             else staging.to(self.comm_dtype)
         work = None
