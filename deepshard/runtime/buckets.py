@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
+from .hooks import weak_hook
 
 # DDP's default bucket: big enough to amortise a collective, small enough to overlap backward.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -106,7 +107,7 @@ class GradBuckets:
         for i, p in enumerate(self.params):
             p.grad = self.views[i]
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                lambda param, i=i, b=bucket_of[i]: self._on_grad(param, i, b)))
+                weak_hook(self._on_grad, i, bucket_of[i])))
         self._reset_counts()
 
     def _reset_counts(self) -> None:

@@ -231,8 +231,13 @@ def init_distributed(
 
 
 def _destroy_at_exit() -> None:
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    # groups that only garbage still holds are freed now, their gloo threads joined while
+    # the interpreter is whole (later, in finalization, a thread needing the GIL aborts)
+    gc.collect()

@@ -231,3 +231,22 @@ def test_example_configs_activation_checkpointing_and_profiler(tmp_path):
     assert plain.stdout.count("deepshard flops profiler") == 1
     assert re.search(r"\[localhost:0\] fwd FLOPs: +\d", plain.stdout)
     assert "blocks.1 (Block)" in plain.stdout
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_dropped_engine_frees_its_model_and_groups(tmp_path, stage):
+    """Gradient hooks on the parameters must not keep the engine alive: dropping it frees
+    the model, the ZeRO/bucket state and its process groups, and a second engine then trains
+    the same way as the first."""
+    cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
+                       zero_optimization={"stage": stage})
+    result = run_ds("--num_gpus", "2", PROBE, "release", cfg, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = tagged_json(result.stdout, "RESULT")
+    assert sorted(found) == [0, 1]
+    for _, data in found.values():
+        first, second = data["rounds"]
+        for r in (first, second):
+            assert r["engine_freed"] and r["model_freed"], r
+            assert r["left"] == {}, r
+        assert first["loss"] == second["loss"]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from ..hooks import weak_hook
 from .comm import reduce_by_all_reduce, reduce_into_shard
 from .flat import FlatGroup
 
@@ -93,9 +94,8 @@ class Stage2Grads:
         self._seen = [False] * len(self.params)
         self._works: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []
         self._active = False
-        self._hooks = [p.register_post_accumulate_grad_hook(
-            lambda param, i=i: self._on_grad(param, i))
-            for i, p in enumerate(self.params) if i in self.group_of]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
+                       for i, p in enumerate(self.params) if i in self.group_of]
 
     # the engine's side -------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:

@@ -6,15 +6,21 @@ Modes (argv[1]):
 - ``slow-save <dir>``: save tag ``good``, then start saving tag ``bad`` with torch.save
   stalled after the first file (the test kills the process there);
 - ``crash-at <step>``: run examples/train_gpt.py but exit hard at that optimizer step on
-  rank 1 of the first attempt (DEEPSHARD_RESTART_COUNT unset or 0).
+  rank 1 of the first attempt (DEEPSHARD_RESTART_COUNT unset or 0);
+- ``release <config.json>``: twice, build an engine, train one step and drop it; report
+  whether the engine and its model were freed (after ``gc.collect()``) and how many more
+  objects of deepshard's classes are alive than before the first engine.
 """
 
 from __future__ import annotations
 
+import collections
+import gc
 import json
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -81,6 +87,38 @@ def slow_save(directory: str) -> None:
     engine.save_checkpoint(directory, tag="bad")
 
 
+def _train_once(config_path: str) -> tuple[weakref.ref, weakref.ref, float]:
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, _, _, _ = deepshard.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config_path)
+    x, y = sample_batch(stdlib_corpus(1 << 20), rank_indices(0, 0, dist.get_rank(), 2, 2, 1),
+                        0, TINY.seq_len)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return weakref.ref(engine), weakref.ref(model), float(loss)
+
+
+def _deepshard_objects() -> collections.Counter:
+    gc.collect()
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects()
+                               if str(getattr(type(o), "__module__", "")).startswith("deepshard"))
+
+
+def release(config_path: str) -> None:
+    deepshard.init_distributed(verbose=False)
+    before = _deepshard_objects()
+    rounds = []
+    for _ in range(2):
+        engine, model, loss = _train_once(config_path)
+        left = _deepshard_objects() - before
+        left.pop("_Beater", None)  # the heartbeat writer lives as long as the process
+        rounds.append({"engine_freed": engine() is None, "model_freed": model() is None,
+                       "left": dict(left), "loss": loss})
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "rounds": rounds}), flush=True)
+
+
 def crash_at(step: int, argv: list[str]) -> None:
     first_attempt = os.environ.get("DEEPSHARD_RESTART_COUNT", "0") == "0"
     real_step = DeepShardEngine.step
@@ -105,5 +143,7 @@ if __name__ == "__main__":
         slow_save(argv[1])
     elif mode == "crash-at":
         crash_at(int(argv[1]), argv[2:])
+    elif mode == "release":
+        release(argv[1])
     else:
         raise SystemExit(f"unknown mode {mode}")
