@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..contract import RESTART_COUNT
 from ..errors import UsageError, exit_on_usage_error
+from . import teardown
 from .allocator import fix_mmap_threshold
 from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, plan_buckets
 from .config import load_config
@@ -65,6 +66,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     _exit_cleanly_on_sigterm()
     if not dist.is_initialized():
         init_distributed(distributed_port=distributed_port, verbose=False)
+    else:
+        teardown.register()  # the script's own init_process_group: same care at exit
     layout = _layout(source, model, mpu)
     if layout is not None:
         mpu = layout.groups

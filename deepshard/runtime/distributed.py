@@ -9,8 +9,6 @@ CUDA and gloo otherwise, and does nothing when it is already initialised.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 from ..hostlist import expand_hostlist
 from ..liveness import register_stack_dump
+from . import teardown
 
 DEFAULT_PORT = 29500
 logger = logging.getLogger(__name__)
@@ -224,20 +223,5 @@ def init_distributed(
                     dist_env.source)
     dist.init_process_group(backend=backend, init_method=init_method or "env://",
                             rank=dist_env.rank, world_size=dist_env.world_size, **kwargs)
-    # torch asks for destroy_process_group() before exit; without it, gloo's threads are
-    # sometimes torn down mid-flight at interpreter exit ("terminate called", SIGABRT)
-    atexit.register(_destroy_at_exit)
+    teardown.register()
     return dist_env
-
-
-def _destroy_at_exit() -> None:
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    # groups that only garbage still holds are freed now, their gloo threads joined while
-    # the interpreter is whole (later, in finalization, a thread needing the GIL aborts)
-    gc.collect()

@@ -1,0 +1,50 @@
+"""The worker's exit handler: which threads are runnable, and the bounded wait on them."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import time
+
+import pytest
+
+from deepshard.runtime import teardown
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _own_name() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        return f.read().strip()
+
+
+def _named_sleeper(name: str, started: threading.Event, stop: threading.Event) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: what /proc shows as comm
+    started.set()
+    stop.wait()
+
+
+def test_the_calling_thread_is_runnable_and_a_waiting_one_is_not():
+    started, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=_named_sleeper, args=("ds-idle (x)", started, stop))
+    t.start()
+    try:
+        started.wait(5)
+        time.sleep(0.05)  # let it block on the event
+        running = teardown.runnable_threads()
+        assert _own_name() in running
+        assert "ds-idle (x)" not in running  # a name with a space and parentheses
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_settle_returns_at_once_without_such_threads_and_is_bounded_with_them():
+    t0 = time.monotonic()
+    teardown.settle("no-such-thread")
+    assert time.monotonic() - t0 < 0.25
+    t0 = time.monotonic()
+    teardown.settle(_own_name(), limit_s=0.1)  # the caller itself never stops running
+    assert 0.1 <= time.monotonic() - t0 < 2.0
