@@ -201,10 +201,11 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Manifest | None
     return manifest
 
 
-def load_file(tag_dir: Path, name: str) -> dict:
-    """One file of a checkpoint (our own files: full unpickling, not ``weights_only``)."""
+def load_file(tag_dir: Path, name: str, mmap: bool = False) -> dict:
+    """One file of a checkpoint (our own files: full unpickling, not ``weights_only``);
+    ``mmap``: tensors stay in the file until read."""
     try:
-        return torch.load(tag_dir / name, map_location="cpu", weights_only=False)
+        return torch.load(tag_dir / name, map_location="cpu", weights_only=False, mmap=mmap)
     except (OSError, RuntimeError, EOFError) as exc:
         raise UsageError(f"cannot read checkpoint file ({exc})", where=str(tag_dir / name),
                          hint="the checkpoint is damaged: load an older tag") from None

@@ -532,7 +532,8 @@ class DeepShardEngine(torch.nn.Module):
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
         if self._parts.zero is not None or manifest.zero_stage != 0:
-            self._load_by_name(zsave.read_by_name(path, manifest, shared), shared,
+            need = zsave.needed(self._parts.zero) if self._parts.zero is not None else None
+            self._load_by_name(zsave.read_by_name(path, manifest, shared, need=need), shared,
                                load_module_strict, load_optimizer_states and not load_module_only)
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
@@ -599,7 +600,7 @@ class DeepShardEngine(torch.nn.Module):
         rest = {k: v for k, v in by_name.values.items() if k not in owned}
         self.module.load_state_dict(rest, strict=False)
         want = set(self._module_state())
-        missing = (want - set(by_name.values)) | set(
+        missing = (want - by_name.present) | set(
             zsave.load_into_zero(zero, self.optimizer, by_name, load_optimizer))
         self._check_missing(missing, strict)
         if load_optimizer and self.optimizer is not None:

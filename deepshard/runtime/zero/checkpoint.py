@@ -9,8 +9,9 @@ Loading goes through one neutral form, :class:`ByName`: full fp32 values and ful
 optimizer state per parameter name, assembled from the shards of however many ranks wrote
 them (or from a stage 0 checkpoint). From it, any stage at any world size takes what it
 needs, so a checkpoint loads at another world size or stage with no conversion step.
-Every rank reads every shard file while loading: the whole model passes through each
-rank's memory once.
+A ZeRO rank assembles only what it keeps (:func:`needed`): optimizer state for the
+parameters its shards cut into, values for those too at stage 3 (at stages 1-2 every
+rank holds every value). Shard files are memory-mapped, so only those parts are read.
 """
 
 from __future__ import annotations
@@ -34,6 +35,28 @@ class ByName:
     values: dict[str, torch.Tensor]
     state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     scalars: dict[str, dict[str, object]] = field(default_factory=dict)
+    # every parameter name the checkpoint holds (``values`` may keep only the needed ones)
+    present: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Needed:
+    """Which names one rank takes from a checkpoint: values and optimizer state."""
+
+    values: frozenset[str]
+    state: frozenset[str]
+
+
+def needed(zero: ZeroRuntime) -> Needed:
+    """What this rank's flat groups keep: state for the parameters its shards cut into;
+    values for those in partitioned groups, for every member of a replicated group."""
+    values: set[str] = set()
+    state: set[str] = set()
+    for g in zero.groups:
+        mine = {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
+        state |= mine
+        values |= mine if g.partitioned else set(g.names)
+    return Needed(frozenset(values), frozenset(state))
 
 
 def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
@@ -73,40 +96,48 @@ def aliases(module: torch.nn.Module) -> dict[str, str]:
 
 
 def read_by_name(tag_dir: Path, manifest: ckpt.Manifest, shared: Mapping,
-                 ranks: Sequence[int] | None = None) -> ByName:
+                 ranks: Sequence[int] | None = None, need: Needed | None = None) -> ByName:
     """The neutral form of any complete checkpoint (see the module docstring). ``ranks``:
     whose shard files hold this model's shards (default: all; with model parallelism the
     data-parallel ranks of one (pipe, tensor) coordinate, ``shared`` being that
-    coordinate's own module state)."""
+    coordinate's own module state). ``need``: assemble only these names' sharded values
+    and state (default: everything, as consolidation wants)."""
     if manifest.zero_stage == 0:
         return _stage0(shared)
-    values = {n: v for n, v in shared["module"].items()}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    scalars: dict[str, dict[str, object]] = {}
+    out = ByName({n: v for n, v in shared["module"].items()})
     for r in (range(manifest.world_size) if ranks is None else ranks):
-        for entry in ckpt.load_file(tag_dir, ckpt.rank_file(r))["zero"]:
-            _scatter(entry, values, state, scalars)
+        for entry in ckpt.load_file(tag_dir, ckpt.rank_file(r), mmap=True)["zero"]:
+            _scatter(entry, out, need)
+    out.present.update(out.values)
     for alias, canonical in shared.get("aliases", {}).items():
-        if canonical in values:
-            values[alias] = values[canonical]
-    return ByName(values, state, scalars)
+        if canonical in out.present:
+            out.present.add(alias)
+            if canonical in out.values:
+                out.values[alias] = out.values[canonical]
+    return out
 
 
-def _scatter(entry: Mapping, values: dict, state: dict, scalars: dict) -> None:
+def _scatter(entry: Mapping, out: ByName, need: Needed | None) -> None:
     lo, hi = entry["lo"], entry["hi"]
     for name, off, n, shape in zip(entry["names"], entry["offsets"], entry["numels"],
                                    entry["shapes"], strict=True):
+        out.present.add(name)
         start, end = max(off, lo), min(off + n, hi)
-        if name not in values or values[name].shape != torch.Size(shape):
-            values[name] = torch.zeros(shape, dtype=torch.float32)
-        if start < end:
-            values[name].view(-1)[start - off:end - off] = entry["values"][start - lo:end - lo]
+        if need is None or name in need.values:
+            values = out.values
+            if name not in values or values[name].shape != torch.Size(shape):
+                values[name] = torch.zeros(shape, dtype=torch.float32)
+            if start < end:
+                values[name].view(-1)[start - off:end - off] = \
+                    entry["values"][start - lo:end - lo]
+        if need is not None and name not in need.state:
+            continue
         for key, shard in entry["state"].items():
-            full = state.setdefault(name, {}).setdefault(
+            full = out.state.setdefault(name, {}).setdefault(
                 key, torch.zeros(shape, dtype=shard.dtype))
             if start < end:
                 full.view(-1)[start - off:end - off] = shard[start - lo:end - lo]
-        scalars.setdefault(name, dict(entry["scalars"]))
+        out.scalars.setdefault(name, _own(entry["scalars"]))
 
 
 def _stage0(shared: Mapping) -> ByName:
@@ -120,7 +151,7 @@ def _stage0(shared: Mapping) -> ByName:
                                  if torch.is_tensor(v) and v.dim() > 0}
             scalars[names[pos]] = {k: v for k, v in entry.items()
                                    if not (torch.is_tensor(v) and v.dim() > 0)}
-    return ByName(values, state, scalars)
+    return ByName(values, state, scalars, set(values))
 
 
 @torch.no_grad()
@@ -133,7 +164,7 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
         t = zero.stepper.step_tensors[k]
         fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
         state: dict[str, torch.Tensor] = {}
-        found = [n in by_name.values for n in g.names]
+        found = [n in by_name.present for n in g.names]
         missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
         fresh.copy_(g.read_shard())
         for piece in pieces(g.flat, g.spec, g.rank):
