@@ -1,26 +1,32 @@
 """What a worker does at interpreter exit, after ``init_distributed`` joined a group.
 
-torch asks for ``destroy_process_group()`` before exit. Gloo needs one more thing. Its
-worker threads release each finished collective's tensors a moment *after* ``wait()``
-returns in Python. If the Python side already dropped such a tensor, that release has to
-take the GIL. A thread that takes the GIL once the interpreter is finalizing is made to exit
-in place, and C++ turns that into ``terminate called without an active exception``
-(SIGABRT) after the script has done all its work. So the exit handler first gives the
-workers the GIL until none is still running (bounded), then destroys the groups and collects
-the garbage that still holds any, so that their threads are joined while the interpreter is
-whole.
+The hazard (seen under gdb): gloo's worker thread drops a finished collective's work a
+moment *after* Python's ``wait()`` returned, and if Python has dropped one of its tensors
+meanwhile, that release takes the GIL (``~AsyncWork`` -> ``decref_pyobject`` ->
+``gil_scoped_acquire``). Once the interpreter is finalizing, a thread taking the GIL is
+made to exit in place, which C++ reports as ``terminate called without an active
+exception`` (SIGABRT, after the script did all its work); and a group destructed while the
+main thread holds the GIL waits for that thread forever (``~ProcessGroupGloo`` joins it).
+
+So at exit a worker (1) hands the GIL to gloo's worker threads until none has been
+runnable for a few consecutive releases (bounded), (2) keeps every process group alive to
+the end of the process: destructing one joins its threads, which also waits for any
+collective still in flight (a rank that raised mid-step); the OS reclaims them, as it
+reclaims the WORLD group torch itself keeps, and (3) calls ``destroy_process_group()``, as
+torch asks.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
+import ctypes
 import os
 import time
 
 GLOO_WORKER = "pt_gloo_runloop"  # torch's name for ProcessGroupGloo's worker threads
 SETTLE_LIMIT_S = 0.5
+SETTLE_CLEAN_CHECKS = 3
 
 
 def register() -> None:
@@ -29,26 +35,38 @@ def register() -> None:
 
 
 def at_exit() -> None:
-    """Let gloo's workers finish, destroy the process groups, free what held them."""
+    """Let gloo's workers finish, keep the groups from being destructed, destroy them."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
     settle(GLOO_WORKER)
+    for group in _all_groups():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed: see above
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    gc.collect()
 
 
-def settle(thread_name: str, limit_s: float = SETTLE_LIMIT_S) -> None:
-    """Release the GIL (1 ms sleeps) until no thread of this process named ``thread_name``
-    is runnable, or ``limit_s`` has passed. Always sleeps once: a thread blocked on the
-    GIL shows as sleeping, and gets it then."""
+def _all_groups() -> list:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {})
+    return groups or [dist.group.WORLD]
+
+
+def settle(thread_name: str, limit_s: float = SETTLE_LIMIT_S,
+           clean_checks: int = SETTLE_CLEAN_CHECKS) -> None:
+    """Release the GIL in 1 ms sleeps until no thread of this process named
+    ``thread_name`` was runnable at ``clean_checks`` checks in a row, or ``limit_s`` has
+    passed. Consecutive checks, because a thread blocked on the GIL shows as sleeping:
+    the next release lets it run."""
     deadline = time.monotonic() + limit_s
-    while True:
+    clean = 0
+    while clean < clean_checks and time.monotonic() < deadline:
         time.sleep(0.001)
-        if thread_name not in runnable_threads() or time.monotonic() > deadline:
-            return
+        clean = 0 if thread_name in runnable_threads() else clean + 1
 
 
 def runnable_threads() -> list[str]:

@@ -82,3 +82,13 @@ def test_init_distributed_with_deepspeed_arguments():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         assert out.split() == [str(rank), "2", "3.0"]
+
+
+def test_a_rank_raising_with_a_collective_in_flight_fails_the_job_promptly():
+    """Its exit must not wait for the collective (destructing a gloo group joins its
+    threads, and that all-reduce never completes): ds-run reports rank 1's error."""
+    script = str(ROOT / "tests" / "dist" / "scripts" / "raise_in_flight.py")
+    result = run_ds("--num_gpus", "2", script, timeout=120)
+    assert "IN_FLIGHT" in result.stdout, result.stderr
+    assert result.returncode == 1, result.stderr
+    assert "rank 1" in result.stderr and "rank 1 failed mid-step" in result.stderr
