@@ -4,8 +4,8 @@ A hook registered on a parameter (``register_post_accumulate_grad_hook``) is hel
 parameter's C++ autograd metadata, which Python's garbage collector cannot see through. A
 hook closing over its owner (``lambda p: self._on_grad(p)``) with the owner holding the
 parameters is therefore a cycle the collector never frees: a dropped engine would keep its
-model, buffers and process groups (with gloo's worker threads) alive to the end of the
-process. These hooks hold their owner weakly instead; once the owner is gone they do nothing.
+model, buffers and optimizer state alive to the end of the process. These hooks hold their
+owner weakly instead; once the owner is gone they do nothing.
 """
 
 from __future__ import annotations
