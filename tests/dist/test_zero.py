@@ -230,3 +230,35 @@ def test_both_shard_reductions_sum_into_every_shard(world):
         assert data["gloo_all_reduces"] is True
         assert data["all_reduce"] == data["want"]
         assert data["reduce_scatter"] == data["want"]
+
+
+def test_frozen_parameters_are_partitioned_at_stage_3(tmp_path):
+    """LoRA fine-tuning: the frozen base is partitioned like the trainable weights (only
+    gathered around its unit's use, also in backward and when blocks are recomputed), and
+    trains exactly like stage 0. Its checkpoint holds the frozen values in the rank
+    shards: consolidated, they equal stage 0's; 4 ranks load what 2 ranks saved."""
+    stage3, stage0 = tmp_path / "stage3", tmp_path / "stage0"
+    got = _probe(tmp_path, 2, 3, "--lora", f"--save={stage3}", steps=3)
+    base = _probe(tmp_path, 2, 0, "--lora", f"--save={stage0}", steps=3)
+    recomputed = {flag: _probe(tmp_path, 2, 3, "--lora", flag, steps=3)
+                  for flag in ("--recompute", "--reentrant")}
+    for r in range(2):
+        # the token embedding and 4 weights + 4 biases per block; between steps only the
+        # biases (under the persistence threshold) are whole
+        assert got[r]["frozen"] == 17 and base[r]["frozen_whole"] == 17
+        assert got[r]["frozen_whole"] == 8
+        assert all(part for _, part, _ in got[r]["frozen_groups"])
+        assert sum(n for n, _, _ in got[r]["frozen_groups"]) == \
+            256 * 64 + 2 * (3 * 64 * 64 + 64 * 64 + 2 * 256 * 64)
+        for run in (got, *recomputed.values()):
+            torch.testing.assert_close(run[r]["losses"], base[r]["losses"], rtol=2e-6, atol=0)
+            assert abs(run[r]["checksum"] - base[r]["checksum"]) < 1e-3
+        assert got[r]["state_bytes"]["params"] < base[r]["state_bytes"]["params"] / 1.8
+    sharded, whole = (deepshard.get_fp32_state_dict(d) for d in (stage3, stage0))
+    assert sharded.keys() == whole.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.equal(sharded["tok_emb.weight"], whole["tok_emb.weight"])
+    loaded = _probe(tmp_path, 4, 3, "--lora", f"--load={stage3}", steps=0)
+    for r in range(4):
+        assert abs(loaded[r]["checksum"] - got[0]["checksum"]) < 1e-3

@@ -2,8 +2,9 @@
 
 Saving, every rank writes its shard of every flat group into its own rank file: the
 group's member names, offsets and element counts, the shard bounds, the fp32 values
-(master or parameter) and the optimizer state tensors of the shard. Rank 0's shared file
-keeps the rest (buffers and frozen parameters, optimizer hyperparameters, scheduler, ...).
+(master or parameter) and the optimizer state tensors of the shard; stage 3's frozen
+groups the same way, values only. Rank 0's shared file keeps the rest (buffers and the
+frozen parameters left whole, optimizer hyperparameters, scheduler, ...).
 
 Loading goes through one neutral form, :class:`ByName`: full fp32 values and full
 optimizer state per parameter name, assembled from the shards of however many ranks wrote
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt
+from .flat import FlatGroup
 from .partition import pieces
 from .runtime import ZeroRuntime
 
@@ -53,10 +55,17 @@ def needed(zero: ZeroRuntime) -> Needed:
     values: set[str] = set()
     state: set[str] = set()
     for g in zero.groups:
-        mine = {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
+        mine = _mine(g)
         state |= mine
         values |= mine if g.partitioned else set(g.names)
+    for g in zero.frozen_groups:
+        values |= _mine(g)
     return Needed(frozenset(values), frozenset(state))
+
+
+def _mine(g: FlatGroup) -> set[str]:
+    """Names of the parameters this rank's shard of ``g`` cuts into."""
+    return {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
 
 
 def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
@@ -65,21 +74,25 @@ def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
         state = optimizer.state.get(t, {}) if optimizer is not None else {}
-        out.append({
-            "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
-            "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi,
-            "values": t.detach().float().clone(),
-            "state": {n: v.clone() for n, v in state.items()
-                      if torch.is_tensor(v) and v.dim() > 0},
-            "scalars": {n: v for n, v in state.items()
-                        if not (torch.is_tensor(v) and v.dim() > 0)},
-        })
+        out.append(_entry(g, t.detach().float().clone(), state))
+    for g in zero.frozen_groups:
+        out.append(_entry(g, g.read_shard().float(), {}))
     return out
+
+
+def _entry(g: FlatGroup, values: torch.Tensor, state: Mapping) -> dict:
+    return {
+        "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
+        "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi, "values": values,
+        "state": {n: v.clone() for n, v in state.items() if torch.is_tensor(v) and v.dim() > 0},
+        "scalars": {n: v for n, v in state.items()
+                    if not (torch.is_tensor(v) and v.dim() > 0)},
+    }
 
 
 def owned_names(zero: ZeroRuntime, module: torch.nn.Module) -> set[str]:
     """Every state-dict name (aliases included) of a parameter the flat groups own."""
-    ids = {id(p) for g in zero.groups for p in g.params}
+    ids = {id(p) for g in (*zero.groups, *zero.frozen_groups) for p in g.params}
     return {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
@@ -157,25 +170,13 @@ def _stage0(shared: Mapping) -> ByName:
 @torch.no_grad()
 def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
                    load_optimizer: bool) -> list[str]:
-    """Fill this rank's shards (values, masters and, if asked, optimizer state) from
-    ``by_name``. Returns the names it lacked (left as they were)."""
+    """Fill this rank's shards (values, masters and, if asked, optimizer state; stage 3's
+    frozen groups too) from ``by_name``. Returns the names it lacked (left as they were)."""
     missing = []
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
-        fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
-        state: dict[str, torch.Tensor] = {}
-        found = [n in by_name.present for n in g.names]
-        missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
-        fresh.copy_(g.read_shard())
-        for piece in pieces(g.flat, g.spec, g.rank):
-            name = g.names[g.flat.params.index(piece.param)]
-            src = slice(piece.param_start, piece.param_start + piece.length)
-            dst = slice(piece.shard_start, piece.shard_start + piece.length)
-            if name in by_name.values:
-                fresh[dst] = by_name.values[name].reshape(-1)[src].float()
-            for key, full in by_name.state.get(name, {}).items():
-                buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
-                buf[dst] = full.reshape(-1)[src]
+        missing.extend(n for n in g.names if n not in by_name.present)
+        fresh, state = _fill(g, by_name)
         g.write_shard(fresh)
         if t is not g.shard and t.numel():
             t.copy_(fresh)
@@ -187,7 +188,28 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
             scal = next((by_name.scalars[n] for n in g.names if n in by_name.scalars), {})
             # a fresh step counter per group: fused optimizers increment it in place
             optimizer.state[t] = {**_own(scal), **state}
+    for g in zero.frozen_groups:
+        missing.extend(n for n in g.names if n not in by_name.present)
+        g.write_shard(_fill(g, by_name)[0])
     return missing
+
+
+def _fill(g: FlatGroup, by_name: ByName) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's shard of ``g`` (fp32) and its optimizer state from ``by_name``; what
+    ``by_name`` lacks keeps its current value."""
+    fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
+    fresh.copy_(g.read_shard())
+    state: dict[str, torch.Tensor] = {}
+    for piece in pieces(g.flat, g.spec, g.rank):
+        name = g.names[g.flat.params.index(piece.param)]
+        src = slice(piece.param_start, piece.param_start + piece.length)
+        dst = slice(piece.shard_start, piece.shard_start + piece.length)
+        if name in by_name.values:
+            fresh[dst] = by_name.values[name].reshape(-1)[src].float()
+        for key, full in by_name.state.get(name, {}).items():
+            buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
+            buf[dst] = full.reshape(-1)[src]
+    return fresh, state
 
 
 def stage0_optimizer_state(by_name: ByName, names_in_order: list[str],

@@ -8,6 +8,11 @@ Modes (argv[1]):
   ``--reentrant``: blocks recomputed by torch's reentrant checkpoint; ``--two-groups``:
   the MLP weights in a second optimizer param group (two flat groups per stage 3 unit);
   ``--skip``: rank 1 skips block 1 (its parameters get no gradient there);
+  ``--recompute``: blocks recomputed by torch's non-reentrant checkpoint;
+  ``--lora``: every block's qkv and fc become a frozen Linear plus a trainable low-rank
+  update, and every other weight but the position embedding, the norms and the head is
+  frozen (LoRA fine-tuning); ``--save=DIR`` / ``--load=DIR``: save a checkpoint after
+  training / load one before;
 - ``gathered <config.json> <dir>``: rank 1 writes a marker into a weight inside
   ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
   the shard, and after a training step; then ``save_16bit_model(<dir>)``.
@@ -48,6 +53,27 @@ def _model(cfg: GPTConfig, under_init: bool) -> GPT:
     return model
 
 
+class LoRA(torch.nn.Module):
+    """A frozen Linear plus a trainable rank-``r`` update ``x A^T B^T``."""
+
+    def __init__(self, base: torch.nn.Linear, r: int):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(r, base.in_features) * 0.02)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, r) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def _lora(model: GPT) -> None:
+    for block in model.blocks:
+        block.qkv, block.fc = LoRA(block.qkv, 8), LoRA(block.fc, 8)
+    for name, p in model.named_parameters():
+        p.requires_grad = name.endswith((".a", ".b")) or name.startswith(("pos_emb", "head")) \
+            or ".ln" in name or name.startswith("ln_f")
+
+
 def _checksum(engine) -> float:
     params = list(engine.module.parameters())
     with deepshard.zero.GatheredParameters(params):
@@ -58,12 +84,14 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
           flags: set[str]) -> None:
     cfg = ODD if odd else TINY
     model = _model(cfg, under_init)
-    if "--reentrant" in flags:
+    if "--lora" in flags:
+        _lora(model)
+    if "--reentrant" in flags or "--recompute" in flags:
         model.checkpoint = functools.partial(torch.utils.checkpoint.checkpoint,
-                                             use_reentrant=True)
-    params = model.parameters()
+                                             use_reentrant="--reentrant" in flags)
+    params = [p for p in model.parameters() if p.requires_grad]
     if "--two-groups" in flags:
-        named = list(model.named_parameters())
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [{"params": [p for n, p in named if ".fc" not in n]},
                   {"params": [p for n, p in named if ".fc" in n], "weight_decay": 0.05}]
     if not dist.is_initialized():
@@ -72,6 +100,9 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
         model.blocks[1].forward = lambda x: x
     engine, _, _, _ = deepshard.initialize(model=model, model_parameters=params,
                                            config=config_path)
+    options = dict(f[2:].split("=", 1) for f in flags if "=" in f)
+    if "load" in options:
+        engine.load_checkpoint(options["load"])
     corpus = stdlib_corpus(1 << 20)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, world = dist.get_rank(), engine.dp_world_size
@@ -84,7 +115,10 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
             engine.backward(loss)
             engine.step()
         losses.append(float(loss.detach()))
+    if "save" in options:
+        engine.save_checkpoint(options["save"])
     zero = engine._parts.zero
+    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     print("RESULT " + json.dumps({
         "rank": rank, "world": world, "losses": losses, "checksum": _checksum(engine),
         "state_bytes": engine.state_bytes(),
@@ -93,7 +127,10 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
         "groups": [[g.spec.numel, g.partitioned, g.dtype.itemsize] for g in zero.groups]
         if zero else [],
         "param_bytes_now": sum(p.numel() * p.element_size()
-                               for p in engine.module.parameters())}), flush=True)
+                               for p in engine.module.parameters()),
+        "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen),
+        "frozen_groups": [[g.spec.numel, g.partitioned, g.dtype.itemsize]
+                          for g in zero.frozen_groups] if zero else []}), flush=True)
 
 
 def gathered(config_path: str, directory: str) -> None:
