@@ -532,7 +532,8 @@ class DeepShardEngine(torch.nn.Module):
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
         if self._parts.zero is not None or manifest.zero_stage != 0:
-            need = zsave.needed(self._parts.zero) if self._parts.zero is not None else None
+            need = zsave.needed(self._parts.zero, self.module) \
+                if self._parts.zero is not None else None
             self._load_by_name(zsave.read_by_name(path, manifest, shared, need=need), shared,
                                load_module_strict, load_optimizer_states and not load_module_only)
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)

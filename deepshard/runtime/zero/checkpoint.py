@@ -49,10 +49,12 @@ class Needed:
     state: frozenset[str]
 
 
-def needed(zero: ZeroRuntime) -> Needed:
-    """What this rank's flat groups keep: state for the parameters its shards cut into;
-    values for those in partitioned groups, for every member of a replicated group."""
-    values: set[str] = set()
+def needed(zero: ZeroRuntime, module: torch.nn.Module) -> Needed:
+    """What this rank keeps: state for the parameters its shards cut into; values for
+    those in partitioned groups, for every member of a replicated group, and for every
+    parameter no group holds (frozen ones, kept whole, whatever stage saved them)."""
+    values = {n for n, _ in module.named_parameters(remove_duplicate=False)} - \
+        owned_names(zero, module)
     state: set[str] = set()
     for g in zero.groups:
         mine = _mine(g)

@@ -12,7 +12,7 @@ Modes (argv[1]):
   ``--lora``: every block's qkv and fc become a frozen Linear plus a trainable low-rank
   update, and every other weight but the position embedding, the norms and the head is
   frozen (LoRA fine-tuning); ``--save=DIR`` / ``--load=DIR``: save a checkpoint after
-  training / load one before;
+  training / load one before; ``--seed=N``: build the model from seed N (default 0);
 - ``gathered <config.json> <dir>``: rank 1 writes a marker into a weight inside
   ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
   the shard, and after a training step; then ``save_16bit_model(<dir>)``.
@@ -40,8 +40,8 @@ TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
 ODD = GPTConfig(vocab_size=251, seq_len=31, n_layer=3, n_head=3, d_model=39)
 
 
-def _model(cfg: GPTConfig, under_init: bool) -> GPT:
-    torch.manual_seed(0)
+def _model(cfg: GPTConfig, under_init: bool, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
     if not under_init:
         return GPT(cfg)
     if not dist.is_initialized():
@@ -83,7 +83,8 @@ def _checksum(engine) -> float:
 def train(config_path: str, steps: int, under_init: bool, odd: bool,
           flags: set[str]) -> None:
     cfg = ODD if odd else TINY
-    model = _model(cfg, under_init)
+    options = dict(f[2:].split("=", 1) for f in flags if "=" in f)
+    model = _model(cfg, under_init, int(options.get("seed", 0)))
     if "--lora" in flags:
         _lora(model)
     if "--reentrant" in flags or "--recompute" in flags:
@@ -100,7 +101,6 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
         model.blocks[1].forward = lambda x: x
     engine, _, _, _ = deepshard.initialize(model=model, model_parameters=params,
                                            config=config_path)
-    options = dict(f[2:].split("=", 1) for f in flags if "=" in f)
     if "load" in options:
         engine.load_checkpoint(options["load"])
     corpus = stdlib_corpus(1 << 20)
