@@ -58,6 +58,8 @@ class Manifest:
     created_unix: float = 0.0
     # model parallelism: {"pipe": P, "data": D, "tensor": T}; world_size is then P*D*T
     layout: dict | None = None
+    # saved with exclude_frozen_parameters: parameters not requiring grad are left out
+    frozen_excluded: bool = False
 
 
 def _fsync_dir(path: Path) -> None:

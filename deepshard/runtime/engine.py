@@ -380,8 +380,11 @@ class DeepShardEngine(torch.nn.Module):
         """Save model, optimizer, scheduler, loss scaler, RNG and ``client_state`` atomically.
 
         Collective: every rank must call it. ``tag`` defaults to ``global_step<N>``.
+        ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a
+        LoRA model's base), as DeepSpeed does: load such a checkpoint with
+        ``load_module_strict=False`` into a model that has them already.
         """
-        del exclude_frozen_parameters  # frozen parameters are part of the module's state
+        exclude = bool(exclude_frozen_parameters)
         tag = ckpt.check_tag(tag if tag is not None else f"global_step{self.global_steps}")
         parts, zero = self._parts, self._parts.zero
         heartbeat(self.counters.global_steps)
@@ -396,7 +399,7 @@ class DeepShardEngine(torch.nn.Module):
         shared = None
         if self.global_rank == 0:
             shared = {
-                "module": self._module_state(),
+                "module": self._module_state(exclude),
                 "fp32_masters": self._masters_by_name() if parts.masters else None,
                 "optimizer": self._optimizer_state(),
                 "optimizer_names": self._optimizer_names() if zero is None else None,
@@ -408,12 +411,12 @@ class DeepShardEngine(torch.nn.Module):
             }
         own = {"rng": ckpt.rng_states()}
         if zero is not None:
-            own["zero"] = zsave.shard_payload(zero, self.optimizer)
+            own["zero"] = zsave.shard_payload(zero, self.optimizer, frozen=not exclude)
         world = self.dp_world_size
         if topology is not None:
             from .parallel import checkpoint as mpckpt
 
-            own["mp"] = mpckpt.own_payload(self)  # every rank holds another part
+            own["mp"] = mpckpt.own_payload(self, exclude)  # every rank holds another part
             if shared is not None:
                 shared.update(module={}, fp32_masters=None, optimizer_names=None,
                               optimizer={"state": {}, "param_groups": self.optimizer.state_dict()
@@ -427,7 +430,8 @@ class DeepShardEngine(torch.nn.Module):
             global_steps=self.global_steps, deepshard_version=__version__,
             files=(ckpt.SHARED_FILE, *(ckpt.rank_file(r) for r in range(world))),
             created_unix=ckpt.now(),
-            layout=None if topology is None else mpckpt.layout_of(topology))
+            layout=None if topology is None else mpckpt.layout_of(topology),
+            frozen_excluded=exclude)
         ckpt.save(save_dir, manifest, rank=self.global_rank, shared=shared, own=own,
                   barrier=self._barrier, save_latest=save_latest)
         if zero is not None:
@@ -473,14 +477,22 @@ class DeepShardEngine(torch.nn.Module):
         self._barrier()
         return True
 
-    def _module_state(self) -> dict:
+    def _module_state(self, exclude_frozen: bool = False) -> dict:
         """The module's state dict; with ZeRO without the sharded parameters (their values
-        are in the rank files)."""
+        are in the rank files); without parameters that do not require grad if asked."""
         state = self.module.state_dict()
         if self._parts.zero is not None:
             owned = zsave.owned_names(self._parts.zero, self.module)
             state = {k: v for k, v in state.items() if k not in owned}
+        if exclude_frozen:
+            frozen = self._frozen_names()
+            state = {k: v for k, v in state.items() if k not in frozen}
         return state
+
+    def _frozen_names(self) -> set[str]:
+        """State-dict names (aliases included) of the parameters that do not require grad."""
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False)
+                if not p.requires_grad}
 
     def _optimizer_state(self) -> dict | None:
         if self.optimizer is None:
@@ -528,20 +540,24 @@ class DeepShardEngine(torch.nn.Module):
             coord = topology.coord(self.global_rank)
             by_name, _ = mpckpt.by_name(path, manifest, coord.pipe, coord.tensor)
             self._load_by_name(by_name, shared, load_module_strict,
-                               load_optimizer_states and not load_module_only)
+                               load_optimizer_states and not load_module_only, manifest, path)
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
         if self._parts.zero is not None or manifest.zero_stage != 0:
             need = zsave.needed(self._parts.zero, self.module) \
                 if self._parts.zero is not None else None
             self._load_by_name(zsave.read_by_name(path, manifest, shared, need=need), shared,
-                               load_module_strict, load_optimizer_states and not load_module_only)
+                               load_module_strict, load_optimizer_states and not load_module_only,
+                               manifest, path)
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
         # fp32 values wherever the checkpoint has them (its masters), whatever precision
         # either run trains in; load_state_dict casts them to the module's dtypes
         full = ckpt.full_precision(shared)
-        self.module.load_state_dict(full, strict=load_module_strict)
+        want = self.module.state_dict()
+        self._check_missing(set(want) - set(full), load_module_strict, manifest, path,
+                            unexpected=set(full) - set(want))
+        self.module.load_state_dict({k: v for k, v in full.items() if k in want}, strict=False)
         parts = self._parts
         if parts.masters is not None:
             with torch.no_grad():
@@ -576,7 +592,7 @@ class DeepShardEngine(torch.nn.Module):
         return mpu.topology
 
     def _load_by_name(self, by_name: zsave.ByName, shared, strict: bool,
-                      load_optimizer: bool) -> None:
+                      load_optimizer: bool, manifest: ckpt.Manifest, path: Path) -> None:
         """Load a checkpoint of any stage and world size through its by-name form."""
         parts, zero = self._parts, self._parts.zero
         saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
@@ -584,7 +600,8 @@ class DeepShardEngine(torch.nn.Module):
             self.module.load_state_dict(
                 {k: by_name.values[k] for k in self.module.state_dict() if k in by_name.values},
                 strict=False)
-            self._check_missing(set(self.module.state_dict()) - set(by_name.values), strict)
+            self._check_missing(set(self.module.state_dict()) - set(by_name.values), strict,
+                                manifest, path)
             if parts.masters is not None:
                 with torch.no_grad():
                     for name, m in zip(parts.names, parts.masters.masters, strict=True):
@@ -603,7 +620,7 @@ class DeepShardEngine(torch.nn.Module):
         want = set(self._module_state())
         missing = (want - by_name.present) | set(
             zsave.load_into_zero(zero, self.optimizer, by_name, load_optimizer))
-        self._check_missing(missing, strict)
+        self._check_missing(missing, strict, manifest, path)
         if load_optimizer and self.optimizer is not None:
             for g, saved in zip(self.optimizer.param_groups,
                                 _merge_groups(self.optimizer.param_groups, saved_groups),
@@ -611,12 +628,25 @@ class DeepShardEngine(torch.nn.Module):
                 g.update({k: v for k, v in saved.items() if k != "params"})
         zero.stepper.swap_out_all(self.optimizer)
 
-    def _check_missing(self, missing: set[str], strict: bool) -> None:
-        if missing and strict:
-            raise UsageError(f"the checkpoint lacks {len(missing)} entries of this model: "
-                             f"{', '.join(sorted(missing)[:5])}", where="load_checkpoint",
-                             hint="load a checkpoint of the same model, or pass "
-                                  "load_module_strict=False")
+    def _check_missing(self, missing: set[str], strict: bool, manifest: ckpt.Manifest,
+                       path: Path, unexpected: frozenset[str] | set[str] = frozenset()) -> None:
+        """With ``strict``, a checkpoint lacking entries of the model (or holding entries
+        the model lacks) is a usage error."""
+        if not strict or not (missing or unexpected):
+            return
+        if missing and manifest.frozen_excluded and missing <= self._frozen_names():
+            raise UsageError(f"the checkpoint lacks this model's {len(missing)} frozen "
+                             f"parameters: it was saved with exclude_frozen_parameters=True",
+                             where=str(path),
+                             hint="pass load_module_strict=False: the frozen parameters "
+                                  "then keep the values the model has")
+        what = f"lacks {len(missing)} entries of this model: " \
+            f"{', '.join(sorted(missing)[:5])}" if missing else \
+            f"holds {len(unexpected)} entries this model lacks: " \
+            f"{', '.join(sorted(unexpected)[:5])}"
+        raise UsageError(f"the checkpoint {what}", where=str(path),
+                         hint="load a checkpoint of the same model, or pass "
+                              "load_module_strict=False")
 
     def _barrier(self) -> None:
         """Every rank of the job (checkpoints are collective over all of them)."""

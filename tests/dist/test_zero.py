@@ -270,3 +270,38 @@ def test_frozen_parameters_are_partitioned_at_stage_3(tmp_path):
                         steps=0)
         for r in range(world):
             assert abs(loaded[r]["checksum"] - got[0]["checksum"]) < 1e-3, (world, stage)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpoint_without_frozen_parameters(tmp_path, stage):
+    """DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)`` (what HF's Trainer
+    passes for PEFT models): the checkpoint holds no frozen parameter; a strict load says
+    how to load it (exit 2, one line); ``load_module_strict=False`` takes the trained
+    values and leaves the model's own frozen ones."""
+    ckdir = tmp_path / "ckpt"
+    saved = _probe(tmp_path, 2, stage, "--lora", "--exclude-frozen", f"--save={ckdir}",
+                   steps=2)
+    state = deepshard.get_fp32_state_dict(ckdir)
+    assert "tok_emb.weight" not in state and "blocks.0.qkv.base.weight" not in state
+    assert "blocks.0.qkv.a" in state and "head.weight" in state
+    cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, gradient_clipping=1.0,
+                       optimizer=ADAMW, zero_optimization=zero_section(stage, "none", tmp_path))
+    strict = run_ds("--num_gpus", "2", ZPROBE, "train", cfg, "0", "--lora", "--seed=1",
+                    f"--load={ckdir}", timeout=300)
+    assert strict.returncode == 2, strict.stderr[-3000:]
+    assert "exclude_frozen_parameters=True" in strict.stderr
+    assert "load_module_strict=False" in strict.stderr
+    assert "Traceback" not in strict.stderr
+    other = run_ds("--num_gpus", "2", ZPROBE, "train", cfg, "0", f"--load={ckdir}",
+                   timeout=300)  # the model without adapters: another model
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "the checkpoint lacks" in other.stderr and "blocks.0.fc.weight" in other.stderr
+    assert "Traceback" not in other.stderr
+    loose = _probe(tmp_path, 2, stage, "--lora", "--seed=1", "--loose", f"--load={ckdir}",
+                   steps=0)
+    fresh = _probe(tmp_path, 2, stage, "--lora", "--seed=1", steps=0)
+    for r in range(2):
+        assert loose[r]["checksum_trainable"] == pytest.approx(
+            saved[r]["checksum_trainable"], abs=1e-4)
+        assert loose[r]["checksum_frozen"] == fresh[r]["checksum_frozen"]
+        assert fresh[r]["checksum_frozen"] != pytest.approx(saved[r]["checksum_frozen"])

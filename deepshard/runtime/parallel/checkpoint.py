@@ -27,13 +27,14 @@ def layout_of(topology: Topology) -> dict[str, int]:
     return {"pipe": topology.pipe, "data": topology.data, "tensor": topology.tensor}
 
 
-def own_payload(engine) -> dict:
-    """What a model-parallel rank writes about its own part of the model."""
+def own_payload(engine, exclude_frozen: bool = False) -> dict:
+    """What a model-parallel rank writes about its own part of the model (without the
+    parameters that do not require grad, with ``exclude_frozen``)."""
     from .tensor import tp_layout
 
     parts = engine._parts
     return {
-        "module": engine._module_state(),
+        "module": engine._module_state(exclude_frozen),
         "fp32_masters": engine._masters_by_name() if parts.masters is not None else None,
         "optimizer": engine.optimizer.state_dict()
         if engine.optimizer is not None and parts.zero is None else None,

@@ -70,14 +70,15 @@ def _mine(g: FlatGroup) -> set[str]:
     return {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
 
 
-def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
-    """This rank's part of a checkpoint: one entry per flat group."""
+def shard_payload(zero: ZeroRuntime, optimizer, frozen: bool = True) -> list[dict]:
+    """This rank's part of a checkpoint: one entry per flat group (frozen groups left out
+    unless ``frozen``)."""
     out = []
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
         state = optimizer.state.get(t, {}) if optimizer is not None else {}
         out.append(_entry(g, t.detach().float().clone(), state))
-    for g in zero.frozen_groups:
+    for g in zero.frozen_groups if frozen else ():
         out.append(_entry(g, g.read_shard().float(), {}))
     return out
 

@@ -12,7 +12,9 @@ Modes (argv[1]):
   ``--lora``: every block's qkv and fc become a frozen Linear plus a trainable low-rank
   update, and every other weight but the position embedding, the norms and the head is
   frozen (LoRA fine-tuning); ``--save=DIR`` / ``--load=DIR``: save a checkpoint after
-  training / load one before; ``--seed=N``: build the model from seed N (default 0);
+  training / load one before; ``--exclude-frozen``: save without the frozen parameters;
+  ``--loose``: load with ``load_module_strict=False``; ``--seed=N``: build the model from
+  seed N (default 0);
 - ``gathered <config.json> <dir>``: rank 1 writes a marker into a weight inside
   ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
   the shard, and after a training step; then ``save_16bit_model(<dir>)``.
@@ -74,8 +76,10 @@ def _lora(model: GPT) -> None:
             or ".ln" in name or name.startswith("ln_f")
 
 
-def _checksum(engine) -> float:
-    params = list(engine.module.parameters())
+def _checksum(engine, trainable: bool | None = None) -> float:
+    """Sum of the model's parameters (only the trainable or the frozen ones if asked)."""
+    params = [p for p in engine.module.parameters()
+              if trainable is None or p.requires_grad == trainable]
     with deepshard.zero.GatheredParameters(params):
         return sum(float(p.detach().double().sum()) for p in params)
 
@@ -102,7 +106,7 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
     engine, _, _, _ = deepshard.initialize(model=model, model_parameters=params,
                                            config=config_path)
     if "load" in options:
-        engine.load_checkpoint(options["load"])
+        engine.load_checkpoint(options["load"], load_module_strict="--loose" not in flags)
     released = _count_frozen_releases_in_backward(engine)
     corpus = stdlib_corpus(1 << 20)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -117,11 +121,14 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
             engine.step()
         losses.append(float(loss.detach()))
     if "save" in options:
-        engine.save_checkpoint(options["save"])
+        engine.save_checkpoint(options["save"],
+                               exclude_frozen_parameters="--exclude-frozen" in flags)
     zero = engine._parts.zero
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     print("RESULT " + json.dumps({
         "rank": rank, "world": world, "losses": losses, "checksum": _checksum(engine),
+        "checksum_trainable": _checksum(engine, True),
+        "checksum_frozen": _checksum(engine, False),
         "state_bytes": engine.state_bytes(),
         "numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                      for p in engine.module.parameters()),
