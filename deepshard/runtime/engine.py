@@ -445,7 +445,9 @@ class DeepShardEngine(torch.nn.Module):
         """DeepSpeed's: rank 0 writes the module's state dict (its training dtype) to
         ``save_dir/save_filename``, atomically. At ZeRO stage 3 the parameters are gathered
         for it when ``stage3_gather_16bit_weights_on_model_save`` is set; otherwise nothing
-        is saved and False returned, as in DeepSpeed. Collective."""
+        is saved and False returned, as in DeepSpeed; they are gathered one flat group at
+        a time, so the whole model is never held by any rank but rank 0's CPU copy.
+        Collective."""
         from .zero.stage3 import GatheredParameters
 
         if self._mp_topology() is not None or self._parts.mp_group is not None:
@@ -461,13 +463,26 @@ class DeepShardEngine(torch.nn.Module):
                                "stage3_gather_16bit_weights_on_model_save to gather the "
                                "stage 3 parameters for it")
             return False
-        params = list(self.module.parameters())
-        with GatheredParameters(params):
-            state = None
-            if self.global_rank == 0:
-                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-                state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()
-                         if not (exclude_frozen_parameters and k in frozen)}
+        skip = self._frozen_names() if exclude_frozen_parameters else set()
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        gathered: dict[str, torch.Tensor] = {}
+        partitioned = [] if zero is None or zero.stage != 3 else [
+            g for g in (*zero.groups, *zero.frozen_groups) if g.partitioned]
+        # one flat group whole at a time: no rank ever holds the whole model
+        for g in partitioned:
+            if all(n in skip for p in g.params for n in names[id(p)]):
+                continue
+            with GatheredParameters(g.params):
+                if self.global_rank == 0:
+                    for p in g.params:
+                        value = p.detach().cpu().clone()
+                        gathered.update((n, value) for n in names[id(p)])
+        state = None
+        if self.global_rank == 0:
+            state = {k: gathered[k] if k in gathered else v.detach().cpu().clone()
+                     for k, v in self.module.state_dict().items() if k not in skip}
         if state is not None:
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)

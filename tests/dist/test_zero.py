@@ -111,9 +111,10 @@ def test_checkpoint_reshards_across_world_size_and_stage(tmp_path, first, second
 
 
 def _probe(tmp_path, world: int, stage: int, *flags: str, offload: str = "none",
-           steps: int = 2) -> dict[int, dict]:
+           steps: int = 2, **zero) -> dict[int, dict]:
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, gradient_clipping=1.0,
-                       optimizer=ADAMW, zero_optimization=zero_section(stage, offload, tmp_path))
+                       optimizer=ADAMW,
+                       zero_optimization={**zero_section(stage, offload, tmp_path), **zero})
     result = run_ds("--num_gpus", str(world), ZPROBE, "train", cfg, str(steps), *flags,
                     timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -190,6 +191,8 @@ def test_gathered_parameters_modifier_rank_and_16bit_save(tmp_path, offload):
         assert 0 < r["moved"] < 0.01
         assert r["saved"] is True
     state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert len(state) == 29 and all(v.numel() for v in state.values())  # every one whole
+    assert state["head.weight"].shape == (256, 64) and state["pos_emb.weight"].shape == (32, 64)
     assert state["blocks.0.fc.weight"].shape == (256, 64)
     assert state["blocks.0.fc.weight"].dtype == torch.bfloat16
     assert abs(float(state["blocks.0.fc.weight"].float().mean()) - 0.125) < 0.01
@@ -277,13 +280,19 @@ def test_checkpoint_without_frozen_parameters(tmp_path, stage):
     """DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)`` (what HF's Trainer
     passes for PEFT models): the checkpoint holds no frozen parameter; a strict load says
     how to load it (exit 2, one line); ``load_module_strict=False`` takes the trained
-    values and leaves the model's own frozen ones."""
+    values and leaves the model's own frozen ones. ``save_16bit_model`` leaves them out
+    too when asked."""
     ckdir = tmp_path / "ckpt"
     saved = _probe(tmp_path, 2, stage, "--lora", "--exclude-frozen", f"--save={ckdir}",
-                   steps=2)
+                   f"--save16={tmp_path / 'model'}", steps=2,
+                   stage3_gather_16bit_weights_on_model_save=True)
     state = deepshard.get_fp32_state_dict(ckdir)
     assert "tok_emb.weight" not in state and "blocks.0.qkv.base.weight" not in state
     assert "blocks.0.qkv.a" in state and "head.weight" in state
+    weights = torch.load(tmp_path / "model" / "pytorch_model.bin", weights_only=True)
+    assert weights.keys() == state.keys()
+    for name, value in state.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=name)
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, gradient_clipping=1.0,
                        optimizer=ADAMW, zero_optimization=zero_section(stage, "none", tmp_path))
     strict = run_ds("--num_gpus", "2", ZPROBE, "train", cfg, "0", "--lora", "--seed=1",

@@ -13,8 +13,9 @@ Modes (argv[1]):
   update, and every other weight but the position embedding, the norms and the head is
   frozen (LoRA fine-tuning); ``--save=DIR`` / ``--load=DIR``: save a checkpoint after
   training / load one before; ``--exclude-frozen``: save without the frozen parameters;
-  ``--loose``: load with ``load_module_strict=False``; ``--seed=N``: build the model from
-  seed N (default 0);
+  ``--loose``: load with ``load_module_strict=False``; ``--save16=DIR``:
+  ``save_16bit_model(DIR, exclude_frozen_parameters=True)`` after training;
+  ``--seed=N``: build the model from seed N (default 0);
 - ``gathered <config.json> <dir>``: rank 1 writes a marker into a weight inside
   ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
   the shard, and after a training step; then ``save_16bit_model(<dir>)``.
@@ -123,6 +124,8 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
     if "save" in options:
         engine.save_checkpoint(options["save"],
                                exclude_frozen_parameters="--exclude-frozen" in flags)
+    if "save16" in options:
+        engine.save_16bit_model(options["save16"], exclude_frozen_parameters=True)
     zero = engine._parts.zero
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     print("RESULT " + json.dumps({
