@@ -48,3 +48,33 @@ def test_settle_returns_at_once_without_such_threads_and_is_bounded_with_them():
     t0 = time.monotonic()
     teardown.settle(_own_name(), limit_s=0.1)  # the caller itself never stops running
     assert 0.1 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_thread_that_never_runs_is_listed_but_not_runnable():
+    started, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=_named_sleeper, args=("ds-listed", started, stop))
+    t.start()
+    try:
+        started.wait(5)
+        time.sleep(0.05)
+        assert "ds-listed" in teardown.thread_names()
+        assert "ds-listed" not in teardown.runnable_threads()
+        t0 = time.monotonic()
+        teardown.settle("ds-listed", limit_s=5.0)  # asleep throughout: a clean spell
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_exit_settles_even_after_the_script_destroyed_its_groups(monkeypatch):
+    """Most scripts call destroy_process_group() themselves; gloo's threads outlive it
+    and may still want the GIL, so the exit handler settles them all the same (the abort
+    at exit this prevents shows in about 1 of 20 two-rank jobs without it)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    settled = []
+    monkeypatch.setattr(teardown, "settle", settled.append)
+    teardown.at_exit()
+    assert settled == [teardown.GLOO_WORKER]

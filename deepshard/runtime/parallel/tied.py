@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..teardown import keep
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class TiedWeightGroups:
         for key, rank_groups in tied_rank_groups(module.tied_groups(), topology).items():
             for members in rank_groups:
                 group = new_group(list(members))
+                keep(group)  # never destructed: see runtime/teardown.py
                 if rank in members:
                     ranks[key], groups[key] = members, group
         return cls(ranks, groups)

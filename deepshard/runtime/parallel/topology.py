@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from ...errors import UsageError
+from ..teardown import keep
 
 Axis = Literal["pipe", "data", "tensor"]
 AXES: tuple[Axis, ...] = ("pipe", "data", "tensor")
@@ -213,6 +214,7 @@ class ProcessGroups:
         for name, groups in plan:
             for ranks in groups:
                 group = new_group(list(ranks))
+                keep(group)  # never destructed: see runtime/teardown.py
                 if rank in ranks:
                     mine[name] = group
         return cls(topology, rank, mine["pipe"], mine["data"], mine["tensor"], mine["model"])
