@@ -411,7 +411,7 @@ class DeepShardEngine(torch.nn.Module):
             }
         own = {"rng": ckpt.rng_states()}
         if zero is not None:
-            own["zero"] = zsave.shard_payload(zero, self.optimizer, frozen=not exclude)
+            own["zero"] = zsave.shard_payload(zero, self.optimizer)
         world = self.dp_world_size
         if topology is not None:
             from .parallel import checkpoint as mpckpt
@@ -469,7 +469,7 @@ class DeepShardEngine(torch.nn.Module):
             names.setdefault(id(p), []).append(name)
         gathered: dict[str, torch.Tensor] = {}
         partitioned = [] if zero is None or zero.stage != 3 else [
-            g for g in (*zero.groups, *zero.frozen_groups) if g.partitioned]
+            g for g in zero.groups if g.partitioned]
         # one flat group whole at a time: no rank ever holds the whole model
         for g in partitioned:
             if all(n in skip for p in g.params for n in names[id(p)]):

@@ -36,10 +36,11 @@ SETTLE_NAP_S = 0.002
 
 
 def register() -> None:
-    """Run :func:`at_exit` when the interpreter exits (a second run does nothing), and
-    keep the default process group alive until then."""
+    """Run :func:`at_exit` when the interpreter exits (once, however often this is
+    called), and keep the default process group alive until then."""
     import torch.distributed as dist
 
+    atexit.unregister(at_exit)
     atexit.register(at_exit)
     if dist.is_initialized():
         keep(dist.group.WORLD)

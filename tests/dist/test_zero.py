@@ -235,34 +235,27 @@ def test_both_shard_reductions_sum_into_every_shard(world):
         assert data["reduce_scatter"] == data["want"]
 
 
-def test_frozen_parameters_are_partitioned_at_stage_3(tmp_path):
-    """LoRA fine-tuning: the frozen base is partitioned like the trainable weights (only
-    gathered around its unit's use, also in backward and when blocks are recomputed; also
-    when built under zero.Init), and trains exactly like stage 0. Its checkpoint holds the
-    frozen values in the rank shards: consolidated, they equal stage 0's; 4 ranks at
-    stage 3 and 2 ranks at stage 2 (frozen parameters whole there), built from another
-    seed, load what 2 ranks saved."""
+def test_lora_fine_tuning_at_stage_3(tmp_path):
+    """LoRA fine-tuning: the trainable adapters are sharded, the frozen base stays whole on
+    every rank (not partitioned: see the ZeRO notes in the README), and it trains exactly
+    like stage 0, also with blocks recomputed either way and with the base built under
+    zero.Init (adapters added after). Consolidated, its checkpoint equals stage 0's; 4
+    ranks at stage 3 and 2 ranks at stage 2, built from another seed, load what 2 ranks
+    saved, frozen values included."""
     stage3, stage0 = tmp_path / "stage3", tmp_path / "stage0"
     got = _probe(tmp_path, 2, 3, "--lora", f"--save={stage3}", steps=3)
     base = _probe(tmp_path, 2, 0, "--lora", f"--save={stage0}", steps=3)
-    # blocks recomputed either way; the base built under zero.Init, adapters added after
     variants = {flag: _probe(tmp_path, 2, 3, "--lora", flag, steps=3)
                 for flag in ("--recompute", "--reentrant", "--init")}
     for r in range(2):
-        # the token embedding and 4 weights + 4 biases per block; between steps only the
-        # biases (under the persistence threshold) are whole
-        assert got[r]["frozen"] == 17 and base[r]["frozen_whole"] == 17
-        assert got[r]["frozen_whole"] == 8
-        assert all(part for _, part, _ in got[r]["frozen_groups"])
-        assert sum(n for n, _, _ in got[r]["frozen_groups"]) == \
-            256 * 64 + 2 * (3 * 64 * 64 + 64 * 64 + 2 * 256 * 64)
+        # the token embedding and 4 weights + 4 biases per block
+        assert got[r]["frozen"] == 17 and got[r]["frozen_whole"] == 17
+        trainable = sum(n for n, _, _ in got[r]["groups"])
+        assert trainable == got[r]["numel"] - 256 * 64 - 2 * (
+            3 * 64 * 64 + 64 * 64 + 2 * 256 * 64 + 3 * 64 + 64 + 4 * 64 + 64)
         for run in (got, *variants.values()):
             torch.testing.assert_close(run[r]["losses"], base[r]["losses"], rtol=2e-6, atol=0)
             assert abs(run[r]["checksum"] - base[r]["checksum"]) < 1e-3
-            # the 3 units holding frozen weights (root, 2 blocks) are released during
-            # every backward, not kept whole to its end
-            assert run[r]["frozen_released_in_backward"] == 3 * 3
-        assert got[r]["state_bytes"]["params"] < base[r]["state_bytes"]["params"] / 1.8
     sharded, whole = (deepshard.get_fp32_state_dict(d) for d in (stage3, stage0))
     assert sharded.keys() == whole.keys()
     for name, value in whole.items():

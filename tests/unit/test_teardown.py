@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import subprocess
 import sys
 import threading
 import time
@@ -78,3 +79,13 @@ def test_exit_settles_even_after_the_script_destroyed_its_groups(monkeypatch):
     monkeypatch.setattr(teardown, "settle", settled.append)
     teardown.at_exit()
     assert settled == [teardown.GLOO_WORKER]
+
+
+def test_registering_twice_runs_the_handler_once():
+    """init_distributed registers it, and initialize again: one exit handler."""
+    script = ("from deepshard.runtime import teardown\n"
+              "teardown.settle = lambda name: print('settled', flush=True)\n"
+              "teardown.register()\nteardown.register()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.split() == ["settled"]

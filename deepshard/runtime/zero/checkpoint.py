@@ -2,9 +2,8 @@
 
 Saving, every rank writes its shard of every flat group into its own rank file: the
 group's member names, offsets and element counts, the shard bounds, the fp32 values
-(master or parameter) and the optimizer state tensors of the shard; stage 3's frozen
-groups the same way, values only. Rank 0's shared file keeps the rest (buffers and the
-frozen parameters left whole, optimizer hyperparameters, scheduler, ...).
+(master or parameter) and the optimizer state tensors of the shard. Rank 0's shared file
+keeps the rest (buffers and frozen parameters, optimizer hyperparameters, scheduler, ...).
 
 Loading goes through one neutral form, :class:`ByName`: full fp32 values and full
 optimizer state per parameter name, assembled from the shards of however many ranks wrote
@@ -52,7 +51,7 @@ class Needed:
 def needed(zero: ZeroRuntime, module: torch.nn.Module) -> Needed:
     """What this rank keeps: state for the parameters its shards cut into; values for
     those in partitioned groups, for every member of a replicated group, and for every
-    parameter no group holds (frozen ones, kept whole, whatever stage saved them)."""
+    parameter no group holds (frozen ones, kept whole)."""
     values = {n for n, _ in module.named_parameters(remove_duplicate=False)} - \
         owned_names(zero, module)
     state: set[str] = set()
@@ -60,8 +59,6 @@ def needed(zero: ZeroRuntime, module: torch.nn.Module) -> Needed:
         mine = _mine(g)
         state |= mine
         values |= mine if g.partitioned else set(g.names)
-    for g in zero.frozen_groups:
-        values |= _mine(g)
     return Needed(frozenset(values), frozenset(state))
 
 
@@ -70,16 +67,13 @@ def _mine(g: FlatGroup) -> set[str]:
     return {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
 
 
-def shard_payload(zero: ZeroRuntime, optimizer, frozen: bool = True) -> list[dict]:
-    """This rank's part of a checkpoint: one entry per flat group (frozen groups left out
-    unless ``frozen``)."""
+def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
+    """This rank's part of a checkpoint: one entry per flat group."""
     out = []
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
         state = optimizer.state.get(t, {}) if optimizer is not None else {}
         out.append(_entry(g, t.detach().float().clone(), state))
-    for g in zero.frozen_groups if frozen else ():
-        out.append(_entry(g, g.read_shard().float(), {}))
     return out
 
 
@@ -95,7 +89,7 @@ def _entry(g: FlatGroup, values: torch.Tensor, state: Mapping) -> dict:
 
 def owned_names(zero: ZeroRuntime, module: torch.nn.Module) -> set[str]:
     """Every state-dict name (aliases included) of a parameter the flat groups own."""
-    ids = {id(p) for g in (*zero.groups, *zero.frozen_groups) for p in g.params}
+    ids = {id(p) for g in zero.groups for p in g.params}
     return {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
@@ -173,8 +167,8 @@ def _stage0(shared: Mapping) -> ByName:
 @torch.no_grad()
 def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
                    load_optimizer: bool) -> list[str]:
-    """Fill this rank's shards (values, masters and, if asked, optimizer state; stage 3's
-    frozen groups too) from ``by_name``. Returns the names it lacked (left as they were)."""
+    """Fill this rank's shards (values, masters and, if asked, optimizer state) from
+    ``by_name``. Returns the names it lacked (left as they were)."""
     missing = []
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
@@ -191,9 +185,6 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
             scal = next((by_name.scalars[n] for n in g.names if n in by_name.scalars), {})
             # a fresh step counter per group: fused optimizers increment it in place
             optimizer.state[t] = {**_own(scal), **state}
-    for g in zero.frozen_groups:
-        missing.extend(n for n in g.names if n not in by_name.present)
-        g.write_shard(_fill(g, by_name)[0])
     return missing
 
 

@@ -8,7 +8,7 @@ stage 3's parameter coordinator and the shard stepper; what the engine calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,8 @@ class ZeroRuntime:
     stepper: ShardStepper
     coordinator: ParamCoordinator | None
     opt_groups: list[list[int]]  # flat group indices per optimizer param group
-    frozen_bytes: int  # frozen parameters left whole (not in ``frozen_groups``)
+    frozen_bytes: int
     param_swapper: TensorSwapper | None = None
-    # stage 3: partitioned groups of frozen parameters (gathered and released with their
-    # unit; no gradient, no optimizer state)
-    frozen_groups: list[FlatGroup] = field(default_factory=list)
 
     def begin_backward(self, boundary: bool) -> None:
         self.grads.begin_backward(boundary)
@@ -71,10 +68,9 @@ class ZeroRuntime:
 
     def state_bytes(self, optimizer) -> dict[str, int]:
         """Bytes this rank holds between steps (see ``engine.state_bytes``)."""
-        every = [*self.groups, *self.frozen_groups]
-        params = self.frozen_bytes + sum(g.nbytes_params() for g in every)
+        params = self.frozen_bytes + sum(g.nbytes_params() for g in self.groups)
         held = self.stepper.nbytes(optimizer)
-        nvme = held["nvme"] + sum(g.nbytes_nvme() for g in every)
+        nvme = held["nvme"] + sum(g.nbytes_nvme() for g in self.groups)
         return {"params": params, "grads": self.grads.nbytes(),
                 "optimizer": held["optimizer"], "nvme": nvme}
 
@@ -92,61 +88,41 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
                pg: dist.ProcessGroup | None, world: int, rank: int,
                comm_dtype: torch.dtype | None) -> ZeroRuntime:
     """Shard ``params`` (trainable, registration order; ``opt_members`` lists the indices
-    of each optimizer param group) the way ``cfg.zero_optimization`` asks; at stage 3 the
-    module's frozen parameters (``requires_grad=False``) are partitioned too."""
+    of each optimizer param group) the way ``cfg.zero_optimization`` asks."""
     z = cfg.zero_optimization
     stage = z.stage
     size = params[0].element_size() if params else 4
     # buckets no bigger than DDP's, so that reduction overlaps backward (DeepSpeed's
     # default reduce_bucket_size, 5e8, would make one bucket reduced after backward)
     cap = max(1, min(z.reduce_bucket_size, DEFAULT_BUCKET_BYTES // size))
-    trainable = {id(p) for p in params}
-    frozen_named = [(n, p) for n, p in module.named_parameters()
-                    if id(p) not in trainable and not p.requires_grad] if stage == 3 else []
-    frozen_names = [n for n, _ in frozen_named]
-    frozen_params = [p for _, p in frozen_named]
-    threshold = z.stage3_param_persistence_threshold if stage == 3 else 0
-    units_plan, unit_members, frozen_members = None, (), ()
+    numels = [getattr(p, "ds_numel", None) or p.numel() for p in params]  # zero.Init: empty
+    units_plan, unit_members = None, ()
     if stage == 3:
-        units_plan = plan_units(module, [*names, *frozen_names])
+        units_plan = plan_units(module, names)
         index = {n: i for i, n in enumerate(names)}
-        frozen_index = {n: i for i, n in enumerate(frozen_names)}
-        unit_members = [[index[n] for n in members if n in index]
-                        for members in units_plan.params]
-        frozen_members = [[frozen_index[n] for n in members if n in frozen_index]
-                          for members in units_plan.params]
-    plans = plan_groups(_numels(params), [p.dtype for p in params], opt_members, cap,
-                        unit_members, threshold)
-    # frozen parameters under the threshold stay as they are: only partitioned plans
-    frozen_plans = [plan for plan in plan_groups(
-        _numels(frozen_params), [p.dtype for p in frozen_params],
-        [range(len(frozen_params))], cap, frozen_members, threshold) if plan.partitioned]
+        unit_members = [[index[n] for n in members] for members in units_plan.params]
+    plans = plan_groups(numels, [p.dtype for p in params], opt_members, cap, unit_members,
+                        z.stage3_param_persistence_threshold if stage == 3 else 0)
     offload_param = z.offload_param if stage == 3 and z.offload_param else None
     host = offload_param is not None and offload_param.device in ("cpu", "nvme")
     param_swapper = TensorSwapper(offload_param.nvme_path, rank, "params") \
         if host and offload_param.device == "nvme" else None
-
-    def build(plan, members, member_names, key):
-        flat = layout(plan.params, _numels([members[i] for i in plan.params]))
-        g = FlatGroup([members[i] for i in plan.params], [member_names[i] for i in plan.params],
+    groups = []
+    for k, plan in enumerate(plans):
+        flat = layout(plan.params, [numels[i] for i in plan.params])
+        g = FlatGroup([params[i] for i in plan.params], [names[i] for i in plan.params],
                       flat, world, rank, pg, plan.partitioned,
                       shard_device=torch.device("cpu") if host else None,
                       pin_memory=bool(host and offload_param.pin_memory),
-                      swapper=param_swapper, key=key)
+                      swapper=param_swapper, key=f"group{k}")
         for p in g.params:
             p.ds_group = g
-        return g
-
-    groups = [build(plan, params, names, f"group{k}") for k, plan in enumerate(plans)]
-    frozen_groups = [build(plan, frozen_params, frozen_names, f"frozen{k}")
-                     for k, plan in enumerate(frozen_plans)]
-    materialize(module)  # zero.Init parameters that no group took (small frozen ones)
+        groups.append(g)
+    materialize(module)  # zero.Init parameters that no group took (frozen ones)
     coordinator = None
     if stage == 3:
         units = [Unit(u, module.get_submodule(name),
-                      [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u],
-                      [g for g, plan in zip(frozen_groups, frozen_plans, strict=True)
-                       if plan.unit == u])
+                      [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u])
                  for u, name in enumerate(units_plan.modules)]
         coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
                                        z.stage3_prefetch_bucket_size,
@@ -161,12 +137,8 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
                            world, rank)
     opt_groups = [[k for k, plan in enumerate(plans) if plan.opt_group == o]
                   for o in range(len(opt_members))]
-    grouped = trainable | {id(p) for g in frozen_groups for p in g.params}
-    whole = sum(p.numel() * p.element_size() for p in module.parameters()
-                if id(p) not in grouped)
-    return ZeroRuntime(stage, groups, grads, stepper, coordinator, opt_groups, whole,
-                       param_swapper, frozen_groups)
-
-
-def _numels(params: Sequence[torch.nn.Parameter]) -> list[int]:
-    return [getattr(p, "ds_numel", None) or p.numel() for p in params]  # zero.Init: empty
+    trainable = {id(p) for p in params}
+    frozen = sum(p.numel() * p.element_size() for p in module.parameters()
+                 if id(p) not in trainable)
+    return ZeroRuntime(stage, groups, grads, stepper, coordinator, opt_groups, frozen,
+                       param_swapper)

@@ -15,16 +15,9 @@ Lifecycle of a unit's partitioned parameters:
   unit is gathered again when backward reaches it (prefetching earlier units);
 - when backward has produced all of a unit's gradients (stage 2's callback): release.
 
-Frozen parameters (``requires_grad=False``: the base of a LoRA model) are partitioned too,
-in groups of their own that only gather and release (no gradient, no optimizer state).
-Backward may still need them after the unit's last gradient is staged (a frozen weight
-carries the gradient on to the unit's inputs), so a unit holding any is released only
-once, in addition, backward has passed its inputs: its forward pre-hook routes the inputs
-that require grad through an identity autograd function whose backward says so.
-
 Parameters smaller than ``stage3_param_persistence_threshold`` elements are not
 partitioned (as in DeepSpeed): they live in replicated groups on every rank, while their
-gradients and optimizer state are still sharded (small frozen ones stay as they are).
+gradients and optimizer state are still sharded.
 
 Limits: the root unit (embeddings, head, anything outside the containers) stays gathered
 for the whole forward and the whole backward; every rank must run the same modules in the
@@ -101,18 +94,12 @@ def _in_container(model: torch.nn.Module, name: str) -> bool:
 
 
 class Unit:
-    """One unit: its module and the partitioned flat groups it owns: ``groups`` of
-    trainable parameters, then ``frozen`` ones (gathered and released with them)."""
+    """One unit: its module and the partitioned flat groups it owns."""
 
-    def __init__(self, index: int, module: torch.nn.Module, groups: Sequence[FlatGroup],
-                 frozen: Sequence[FlatGroup] = ()):
-        self.index, self.module = index, module
-        self.groups = [*groups, *frozen]
-        self.trainable = len(groups)
-        self.has_frozen = bool(frozen)
+    def __init__(self, index: int, module: torch.nn.Module, groups: Sequence[FlatGroup]):
+        self.index, self.module, self.groups = index, module, list(groups)
         self.numel = sum(g.spec.padded for g in self.groups)
-        self.pending_grads = self.trainable
-        self.pending_inputs = 0  # watched inputs whose gradient backward has not reached
+        self.pending_grads = len(self.groups)
 
     @property
     def gathered(self) -> bool:
@@ -128,11 +115,6 @@ class Unit:
     def release(self) -> None:
         for g in self.groups:
             g.release()
-
-    def release_if_done(self) -> None:
-        """Release once backward staged every gradient and passed every watched input."""
-        if self.pending_grads <= 0 and self.pending_inputs <= 0:
-            self.release()
 
 
 class ParamCoordinator:
@@ -154,26 +136,20 @@ class ParamCoordinator:
         for unit in self.units:
             if unit.groups:
                 self._hooks.append(unit.module.register_forward_pre_hook(
-                    lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs),
-                    with_kwargs=True))
+                    lambda m, args, u=unit: self._pre_forward(u)))
                 self._hooks.append(unit.module.register_forward_hook(
                     lambda m, args, out, u=unit: self._post_forward(u, out)))
 
     # forward ---------------------------------------------------------------------------
-    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
-        recompute = _in_backward()  # activation checkpointing recomputes inside backward
+    def _pre_forward(self, unit: Unit) -> None:
+        if _in_backward():
+            unit.gather()  # activation checkpointing recomputes inside backward
+            return
         unit.gather()
-        if not recompute:
-            if self._recording:
-                self.trace.append(unit.index)
-            else:
-                self._prefetch(self._advance(unit.index), +1)
-        # a non-reentrant recompute's graph is never backwarded: the forward's watch
-        # (still pending) covers it; a reentrant one ran its forward under no_grad
-        if unit.has_frozen and torch.is_grad_enabled() and not (
-                recompute and unit.pending_inputs):
-            return _watch_inputs(unit, args, kwargs)
-        return None
+        if self._recording:
+            self.trace.append(unit.index)
+        else:
+            self._prefetch(self._advance(unit.index), +1)
 
     def _post_forward(self, unit: Unit, out) -> None:
         if _in_backward():
@@ -185,7 +161,7 @@ class ParamCoordinator:
                     t.register_hook(lambda grad, u=unit: self._pre_backward(u))
                     hooked = True
             if hooked:
-                unit.pending_grads = unit.trainable
+                unit.pending_grads = len(unit.groups)
         unit.release()
 
     # backward --------------------------------------------------------------------------
@@ -201,14 +177,14 @@ class ParamCoordinator:
             return
         unit = self.units[u]
         unit.pending_grads -= 1
-        unit.release_if_done()
+        if unit.pending_grads <= 0:
+            unit.release()
 
     def end_backward(self) -> None:
         """After a backward: nothing stays gathered; the first pass fixes the order."""
         for unit in self.units:
             unit.release()
-            unit.pending_grads = unit.trainable
-            unit.pending_inputs = 0
+            unit.pending_grads = len(unit.groups)
         if self.trace:
             self._recording = False
         self._cursor = len(self.trace)
@@ -257,36 +233,6 @@ class ParamCoordinator:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class _InputsPassed(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once backward has produced their
-    gradients, i.e. finished every use of the unit's parameters on the way to them."""
-
-    @staticmethod
-    def forward(ctx, unit, *tensors):
-        ctx.unit = unit
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        unit, ctx.unit = ctx.unit, None
-        unit.pending_inputs -= 1
-        unit.release_if_done()
-        return (None, *grads)
-
-
-def _watch_inputs(unit: Unit, args: tuple, kwargs: dict):
-    """``(args, kwargs)`` with the tensors that require grad passed through
-    :class:`_InputsPassed`; ``None`` when there are none."""
-    flat = [*args, *kwargs.values()]
-    slots = [i for i, a in enumerate(flat) if torch.is_tensor(a) and a.requires_grad]
-    if not slots:
-        return None
-    unit.pending_inputs += 1
-    for i, t in zip(slots, _InputsPassed.apply(unit, *(flat[i] for i in slots)), strict=True):
-        flat[i] = t
-    return tuple(flat[:len(args)]), dict(zip(kwargs, flat[len(args):], strict=True))
 
 
 def _tensors(out) -> Iterable[torch.Tensor]:

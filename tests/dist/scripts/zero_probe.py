@@ -108,7 +108,6 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
                                            config=config_path)
     if "load" in options:
         engine.load_checkpoint(options["load"], load_module_strict="--loose" not in flags)
-    released = _count_frozen_releases_in_backward(engine)
     corpus = stdlib_corpus(1 << 20)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, world = dist.get_rank(), engine.dp_world_size
@@ -139,23 +138,8 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
         if zero else [],
         "param_bytes_now": sum(p.numel() * p.element_size()
                                for p in engine.module.parameters()),
-        "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen),
-        "frozen_released_in_backward": released[0],
-        "frozen_groups": [[g.spec.numel, g.partitioned, g.dtype.itemsize]
-                          for g in zero.frozen_groups] if zero else []}), flush=True)
-
-
-def _count_frozen_releases_in_backward(engine) -> list[int]:
-    """A counter of the times a gathered frozen group is released while autograd runs."""
-    count = [0]
-    zero = engine._parts.zero
-    for g in zero.frozen_groups if zero else ():
-        def release(g=g, release=g.release):
-            if g.full is not None and torch._C._current_graph_task_id() != -1:
-                count[0] += 1
-            release()
-        g.release = release
-    return count
+        "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen)}),
+        flush=True)
 
 
 def gathered(config_path: str, directory: str) -> None:
