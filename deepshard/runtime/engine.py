@@ -472,8 +472,6 @@ class DeepShardEngine(torch.nn.Module):
             g for g in zero.groups if g.partitioned]
         # one flat group whole at a time: no rank ever holds the whole model
         for g in partitioned:
-            if all(n in skip for p in g.params for n in names[id(p)]):
-                continue
             with GatheredParameters(g.params):
                 if self.global_rank == 0:
                     for p in g.params:
@@ -559,8 +557,7 @@ class DeepShardEngine(torch.nn.Module):
             self._load_rest(path, shared, load_lr_scheduler_states, load_module_only)
             return str(path), shared["client_state"]
         if self._parts.zero is not None or manifest.zero_stage != 0:
-            need = zsave.needed(self._parts.zero, self.module) \
-                if self._parts.zero is not None else None
+            need = zsave.needed(self._parts.zero) if self._parts.zero is not None else None
             self._load_by_name(zsave.read_by_name(path, manifest, shared, need=need), shared,
                                load_module_strict, load_optimizer_states and not load_module_only,
                                manifest, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import subprocess
 import sys
@@ -27,19 +28,26 @@ def _named_sleeper(name: str, started: threading.Event, stop: threading.Event) -
     stop.wait()
 
 
-def test_the_calling_thread_is_runnable_and_a_waiting_one_is_not():
+@contextlib.contextmanager
+def _sleeping_thread(name: str):
+    """A thread named ``name`` blocked on an event for the duration of the block."""
     started, stop = threading.Event(), threading.Event()
-    t = threading.Thread(target=_named_sleeper, args=("ds-idle (x)", started, stop))
+    t = threading.Thread(target=_named_sleeper, args=(name, started, stop))
     t.start()
     try:
         started.wait(5)
         time.sleep(0.05)  # let it block on the event
-        running = teardown.runnable_threads()
-        assert _own_name() in running
-        assert "ds-idle (x)" not in running  # a name with a space and parentheses
+        yield
     finally:
         stop.set()
         t.join()
+
+
+def test_the_calling_thread_is_runnable_and_a_waiting_one_is_not():
+    with _sleeping_thread("ds-idle (x)"):
+        running = teardown.runnable_threads()
+        assert _own_name() in running
+        assert "ds-idle (x)" not in running  # a name with a space and parentheses
 
 
 def test_settle_returns_at_once_without_such_threads_and_is_bounded_with_them():
@@ -52,20 +60,12 @@ def test_settle_returns_at_once_without_such_threads_and_is_bounded_with_them():
 
 
 def test_a_thread_that_never_runs_is_listed_but_not_runnable():
-    started, stop = threading.Event(), threading.Event()
-    t = threading.Thread(target=_named_sleeper, args=("ds-listed", started, stop))
-    t.start()
-    try:
-        started.wait(5)
-        time.sleep(0.05)
+    with _sleeping_thread("ds-listed"):
         assert "ds-listed" in teardown.thread_names()
         assert "ds-listed" not in teardown.runnable_threads()
         t0 = time.monotonic()
         teardown.settle("ds-listed", limit_s=5.0)  # asleep throughout: a clean spell
         assert time.monotonic() - t0 < 2.0
-    finally:
-        stop.set()
-        t.join()
 
 
 def test_exit_settles_even_after_the_script_destroyed_its_groups(monkeypatch):

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt
-from .flat import FlatGroup
 from .partition import pieces
 from .runtime import ZeroRuntime
 
@@ -48,23 +47,16 @@ class Needed:
     state: frozenset[str]
 
 
-def needed(zero: ZeroRuntime, module: torch.nn.Module) -> Needed:
-    """What this rank keeps: state for the parameters its shards cut into; values for
-    those in partitioned groups, for every member of a replicated group, and for every
-    parameter no group holds (frozen ones, kept whole)."""
-    values = {n for n, _ in module.named_parameters(remove_duplicate=False)} - \
-        owned_names(zero, module)
+def needed(zero: ZeroRuntime) -> Needed:
+    """What this rank's flat groups keep: state for the parameters its shards cut into;
+    values for those in partitioned groups, for every member of a replicated group."""
+    values: set[str] = set()
     state: set[str] = set()
     for g in zero.groups:
-        mine = _mine(g)
+        mine = {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
         state |= mine
         values |= mine if g.partitioned else set(g.names)
     return Needed(frozenset(values), frozenset(state))
-
-
-def _mine(g: FlatGroup) -> set[str]:
-    """Names of the parameters this rank's shard of ``g`` cuts into."""
-    return {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
 
 
 def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
@@ -73,18 +65,16 @@ def shard_payload(zero: ZeroRuntime, optimizer) -> list[dict]:
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
         state = optimizer.state.get(t, {}) if optimizer is not None else {}
-        out.append(_entry(g, t.detach().float().clone(), state))
+        out.append({
+            "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
+            "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi,
+            "values": t.detach().float().clone(),
+            "state": {n: v.clone() for n, v in state.items()
+                      if torch.is_tensor(v) and v.dim() > 0},
+            "scalars": {n: v for n, v in state.items()
+                        if not (torch.is_tensor(v) and v.dim() > 0)},
+        })
     return out
-
-
-def _entry(g: FlatGroup, values: torch.Tensor, state: Mapping) -> dict:
-    return {
-        "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
-        "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi, "values": values,
-        "state": {n: v.clone() for n, v in state.items() if torch.is_tensor(v) and v.dim() > 0},
-        "scalars": {n: v for n, v in state.items()
-                    if not (torch.is_tensor(v) and v.dim() > 0)},
-    }
 
 
 def owned_names(zero: ZeroRuntime, module: torch.nn.Module) -> set[str]:
@@ -172,8 +162,20 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
     missing = []
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
-        missing.extend(n for n in g.names if n not in by_name.present)
-        fresh, state = _fill(g, by_name)
+        fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
+        state: dict[str, torch.Tensor] = {}
+        found = [n in by_name.present for n in g.names]
+        missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
+        fresh.copy_(g.read_shard())
+        for piece in pieces(g.flat, g.spec, g.rank):
+            name = g.names[g.flat.params.index(piece.param)]
+            src = slice(piece.param_start, piece.param_start + piece.length)
+            dst = slice(piece.shard_start, piece.shard_start + piece.length)
+            if name in by_name.values:
+                fresh[dst] = by_name.values[name].reshape(-1)[src].float()
+            for key, full in by_name.state.get(name, {}).items():
+                buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
+                buf[dst] = full.reshape(-1)[src]
         g.write_shard(fresh)
         if t is not g.shard and t.numel():
             t.copy_(fresh)
@@ -186,24 +188,6 @@ def load_into_zero(zero: ZeroRuntime, optimizer, by_name: ByName,
             # a fresh step counter per group: fused optimizers increment it in place
             optimizer.state[t] = {**_own(scal), **state}
     return missing
-
-
-def _fill(g: FlatGroup, by_name: ByName) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This rank's shard of ``g`` (fp32) and its optimizer state from ``by_name``; what
-    ``by_name`` lacks keeps its current value."""
-    fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
-    fresh.copy_(g.read_shard())
-    state: dict[str, torch.Tensor] = {}
-    for piece in pieces(g.flat, g.spec, g.rank):
-        name = g.names[g.flat.params.index(piece.param)]
-        src = slice(piece.param_start, piece.param_start + piece.length)
-        dst = slice(piece.shard_start, piece.shard_start + piece.length)
-        if name in by_name.values:
-            fresh[dst] = by_name.values[name].reshape(-1)[src].float()
-        for key, full in by_name.state.get(name, {}).items():
-            buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
-            buf[dst] = full.reshape(-1)[src]
-    return fresh, state
 
 
 def stage0_optimizer_state(by_name: ByName, names_in_order: list[str],
