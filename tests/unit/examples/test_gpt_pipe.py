@@ -6,12 +6,13 @@ give exactly its loss and gradients."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from tests.helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig, rank_indices, sample_batch
 from gpt_pipe import gpt_layers, gpt_loss, gpt_param_name, pipe_gpt
 

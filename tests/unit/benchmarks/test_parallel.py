@@ -4,18 +4,18 @@ of its "balanced" bubble-sweep model; nothing is timed here."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
-import parallel as bench  # noqa: E402
-from gpt import Block, GPTConfig  # noqa: E402
-from gpt_pipe import GPTEmbedding, GPTHead, pipe_gpt  # noqa: E402
+import parallel as bench
+from gpt import Block, GPTConfig
+from gpt_pipe import GPTEmbedding, GPTHead, pipe_gpt
 
-from deepshard.runtime.parallel.schedule import bubble_fraction  # noqa: E402
+from deepshard.runtime.parallel.schedule import bubble_fraction
 
 
 def outcome(timings: list[list[dict]], m: int = 4) -> bench.Outcome:
