@@ -1,8 +1,12 @@
-"""Fused multi-tensor LAMB (``cuda/lamb.cu``) with DeepSpeed ``FusedLamb``'s update, its
-torch reference, and ``FusedLamb``, the optimizer the engine uses for ``LAMB`` on GPUs.
+"""LAMB with DeepSpeed ``FusedLamb``'s update: the one torch oracle of its math, the fused
+multi-tensor CUDA kernel (``cuda/lamb.cu``) and ``FusedLamb``, the optimizer the engine uses
+for ``LAMB`` on GPUs.
 
-The formulas are those of :class:`deepshard.runtime.optim.lamb.Lamb` (the tests hold the
-reference to it); this module re-states them because ``kernels`` imports nothing of the
+:func:`lamb_reference`, :func:`clip_divisor`, :func:`step_size` and
+:func:`check_hyperparameters` are the only statement of the formulas in torch: the runtime's
+:class:`deepshard.runtime.optim.lamb.Lamb` (every device) is built on them, ``FusedLamb``
+falls back to :func:`lamb_reference` where the kernel cannot run, and the kernel's tests hold
+it to :func:`lamb_reference`. They live here because ``kernels`` imports nothing of the
 runtime. The bias correction scales the step size, not the moments, so the trust ratio is
 measured on the uncorrected update ``u = m / (sqrt(v) + eps) + wd p``.
 """
@@ -19,7 +23,30 @@ from . import loader
 from .adam import CHUNK, MAX_BLOCKS, THREADS, _check, moment_columns, tensor_table
 from .bench import BenchCase
 
-_CLIP_EPS = 1e-6  # added to the gradient norm before comparing it with max_grad_norm
+CLIP_EPS = 1e-6  # added to the gradient norm before comparing it with max_grad_norm
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # updated in fp32, with fp32 moments
+
+
+def check_hyperparameters(lr: float = 1e-3, bias_correction: bool = True,
+                          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                          eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                          max_grad_norm: float = 0.0, max_coeff: float = 10.0,
+                          min_coeff: float = 0.01, amsgrad: bool = False) -> dict[str, Any]:
+    """The optimizer defaults of a LAMB with these arguments; ``ValueError`` for a bad one."""
+    if amsgrad:
+        raise ValueError("LAMB does not support amsgrad")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if max_grad_norm < 0:
+        raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
+    if not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
+    if not 0 <= min_coeff <= max_coeff:
+        raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
+    return dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
 
 
 def step_size(lr: float, beta1: float, beta2: float, step: int, bias_correction: bool) -> float:
@@ -29,32 +56,79 @@ def step_size(lr: float, beta1: float, beta2: float, step: int, bias_correction:
     return lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
 
 
+def clip_divisor(grads: Sequence[torch.Tensor], max_grad_norm: float) -> float:
+    """What to divide ``grads`` by so their norm, as one vector, is at most ``max_grad_norm``:
+    ``max(1, (||G|| + 1e-6) / max_grad_norm)``, 1 when clipping is off (``max_grad_norm``
+    0). fp16/bf16 norms are taken in fp32; the sum and the square root in Python floats."""
+    if max_grad_norm <= 0:
+        return 1.0
+    squares = 0.0
+    for bucket in by_device_and_dtype(grads):
+        dtype = torch.float32 if bucket[0].dtype in LOW_PRECISION else None
+        squares += float(torch.stack(torch._foreach_norm(bucket, 2, dtype=dtype)).square().sum())
+    clip = (math.sqrt(squares) + CLIP_EPS) / max_grad_norm
+    return clip if clip > 1 else 1.0
+
+
 def lamb_reference(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
-                   step: int, lr: float, beta1: float, beta2: float, eps: float,
-                   weight_decay: float, bias_correction: bool = True,
+                   step: int | Sequence[int], lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, bias_correction: bool = True,
                    eps_inside_sqrt: bool = False, max_coeff: float = 10.0,
                    min_coeff: float = 0.01, grad_divisor: float | torch.Tensor = 1.0) -> None:
-    """One LAMB step in place, in fp32 (the CPU path and the test oracle).
+    """One LAMB step in place, with ``torch._foreach`` ops: the oracle of every LAMB here.
 
     Per tensor: ``g /= grad_divisor``; ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g²``;
-    ``u = m / (sqrt(v) + eps) + wd p``; ``r = clamp(||p|| / ||u||, min_coeff, max_coeff)``
-    (1 when a norm is 0); ``p -= step_size(lr, b1, b2, step, bias_correction) * r * u``.
+    ``u = m / (sqrt(v) + eps) + wd p`` (``sqrt(v + eps)`` with ``eps_inside_sqrt``);
+    ``r = clamp(||p|| / ||u||, min_coeff, max_coeff)`` (1 when a norm is 0);
+    ``p -= step_size(lr, b1, b2, step, bias_correction) * r * u``. ``step`` is one count
+    for all tensors or one per tensor. The tensors share a device and a dtype; fp16/bf16
+    params are computed in fp32 (their moments must be fp32), others in their own dtype,
+    with moments of that dtype. ``grads`` are read, never written.
     """
-    size = step_size(lr, beta1, beta2, step, bias_correction)
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        work = p.float()  # p itself when p is fp32
-        g32 = g.float() / grad_divisor
-        m.mul_(beta1).add_(g32, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-        denom = v.add(eps).sqrt_() if eps_inside_sqrt else v.sqrt().add_(eps)
-        u = (m / denom).add_(work, alpha=weight_decay)
-        w_norm, u_norm = work.norm(), u.norm()
-        ratio = (w_norm / u_norm).clamp(min_coeff, max_coeff)
-        ratio = torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
-        work.sub_(u * (size * ratio))
-        if work is not p:
-            p.copy_(work)
+    if not params:
+        return
+    divisor = float(grad_divisor)
+    steps = [step] * len(params) if isinstance(step, int) else list(step)
+    low_precision = params[0].dtype in LOW_PRECISION
+    work = [p.float() for p in params] if low_precision else list(params)
+    g = [t.to(work[0].dtype) for t in grads]
+
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, g, alpha=(1 - beta1) / divisor)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=(1 - beta2) / divisor**2)
+    del g
+
+    if eps_inside_sqrt:
+        denom = torch._foreach_add(exp_avg_sqs, eps)
+        torch._foreach_sqrt_(denom)
+    else:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(exp_avgs, denom)
+    del denom
+    if weight_decay != 0:
+        torch._foreach_add_(update, work, alpha=weight_decay)
+
+    w_norm = torch.stack(torch._foreach_norm(work))
+    u_norm = torch.stack(torch._foreach_norm(update))
+    ratio = (w_norm / u_norm).clamp_max(max_coeff).clamp_min(min_coeff)
+    ratio = torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
+    sizes = torch.tensor([step_size(lr, beta1, beta2, t, bias_correction) for t in steps],
+                         dtype=ratio.dtype, device=ratio.device)
+    torch._foreach_mul_(update, (ratio * sizes).neg().unbind(0))
+    torch._foreach_add_(work, update)
+    if low_precision:
+        torch._foreach_copy_(params, work)
+
+
+def by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by (device, dtype), in first-seen order: what one foreach call takes."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(buckets.values())
 
 
 def fused_lamb_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -121,17 +195,9 @@ class FusedLamb(torch.optim.Optimizer):
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  amsgrad: bool = False) -> None:
-        if amsgrad:
-            raise ValueError("LAMB does not support amsgrad")
-        if min(lr, eps, weight_decay, max_grad_norm) < 0:
-            raise ValueError("lr, eps, weight_decay and max_grad_norm must be >= 0")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
-        if not 0 <= min_coeff <= max_coeff:
-            raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
+        defaults = check_hyperparameters(lr, bias_correction, betas, eps, eps_inside_sqrt,
+                                         weight_decay, max_grad_norm, max_coeff, min_coeff,
+                                         amsgrad)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -147,7 +213,7 @@ class FusedLamb(torch.optim.Optimizer):
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("LAMB does not support sparse gradients")
-            divisor = _clip_divisor([p.grad for p in params], group["max_grad_norm"])
+            divisor = _device_clip_divisor([p.grad for p in params], group["max_grad_norm"])
             beta1, beta2 = group["betas"]
             for (device, _, step), (ps, gs, ms, vs) in moment_columns(self.state,
                                                                       params).items():
@@ -161,15 +227,15 @@ class FusedLamb(torch.optim.Optimizer):
         return loss
 
 
-def _clip_divisor(grads: list[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
-    """``max(1, (||G|| + 1e-6) / max_grad_norm)`` over all ``grads`` as one vector, as a
-    0-dim fp32 tensor on the first gradient's device (1 when clipping is off); no sync."""
+def _device_clip_divisor(grads: list[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
+    """:func:`clip_divisor` kept on the device: a 0-dim fp32 tensor on the first gradient's
+    device (1 when clipping is off), with no host sync; the sum and root are fp32."""
     device = grads[0].device
     if max_grad_norm <= 0:
         return torch.ones((), dtype=torch.float32, device=device)
     squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square().to(device)
                            for g in grads]).sum()
-    clip = (squares.sqrt() + _CLIP_EPS) / max_grad_norm
+    clip = (squares.sqrt() + CLIP_EPS) / max_grad_norm
     return clip.clamp_min(1.0)
 
 

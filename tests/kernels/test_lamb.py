@@ -1,12 +1,18 @@
-"""Fused LAMB: the reference and FusedLamb against the runtime's Lamb, nvcc compiles the
-kernels, and (on a GPU with CuPy) the kernels against the reference."""
+"""Fused LAMB: the runtime's Lamb is the reference (one oracle), FusedLamb against it, nvcc
+compiles the kernels, and (on a GPU with CuPy) the kernels against the reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepshard.kernels.lamb import FusedLamb, fused_lamb_step, lamb_reference
+from deepshard.kernels.lamb import (
+    FusedLamb,
+    _device_clip_divisor,
+    clip_divisor,
+    fused_lamb_step,
+    lamb_reference,
+)
 from deepshard.runtime.optim.lamb import Lamb
 from tests.kernels.support import needs_gpu, ptx_entries
 
@@ -63,6 +69,34 @@ def test_low_precision_params_match_runtime_lamb(dtype):
         # Both compute in fp32 from the same state; at most one rounding apart per step.
         torch.testing.assert_close(a.float(), b.float(), rtol=4 * eps, atol=4 * eps)
     assert opt.state[ours[0]]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_runtime_lamb_steps_exactly_as_the_reference(dtype):
+    hp = dict(lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
+    start = [p.to(dtype) for p in _tensors(SIZES, 1, scale=3.0)]
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = Lamb(params, **hp)
+    ref = [p.clone() for p in start]
+    moment = torch.float32 if dtype == torch.bfloat16 else dtype
+    ms, vs = ([torch.zeros_like(p, dtype=moment) for p in ref] for _ in range(2))
+    for step in range(1, 4):
+        grads = [g.to(dtype) for g in _tensors(SIZES, 100 + step)]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        lamb_reference(ref, grads, ms, vs, step=step, lr=1e-2, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=0.01, grad_divisor=clip_divisor(grads, 0.5))
+    for a, b in zip(params, ref, strict=True):
+        assert torch.equal(a.detach(), b)
+
+
+def test_device_clip_divisor_is_the_reference_divisor():
+    grads = _tensors(SIZES, 3)
+    assert clip_divisor(grads, 0.0) == float(_device_clip_divisor(grads, 0.0)) == 1.0
+    assert clip_divisor(grads, 1e9) == float(_device_clip_divisor(grads, 1e9)) == 1.0
+    ours = float(_device_clip_divisor(grads, 0.5))
+    assert ours > 1 and ours == pytest.approx(clip_divisor(grads, 0.5), rel=1e-6)
 
 
 def test_reference_trust_ratio_by_hand():

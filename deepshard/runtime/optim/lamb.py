@@ -3,19 +3,25 @@
 DeepSpeed's LAMB is a CUDA kernel (``csrc/lamb/fused_lamb_cuda_kernel.cu``); a config naming
 ``LAMB`` must train the same way here, on CPU as on GPU. The kernel's update differs from the
 paper's in where the bias correction goes, which changes the trust ratio; see :class:`Lamb`.
+The math is :func:`deepshard.kernels.lamb.lamb_reference` (with its clipping, step size and
+argument checks), the one statement of it that the CUDA kernel is also tested against; this
+module adds the optimizer around it: param groups, per-parameter state, buckets.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-# Added to the gradient norm before comparing it with max_grad_norm, as DeepSpeed does.
-_CLIP_EPS = 1e-6
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from ...kernels.lamb import (
+    LOW_PRECISION,
+    by_device_and_dtype,
+    check_hyperparameters,
+    clip_divisor,
+    lamb_reference,
+)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -67,30 +73,10 @@ class Lamb(torch.optim.Optimizer):
         min_coeff: float = 0.01,
         amsgrad: bool = False,
     ) -> None:
-        if amsgrad:
-            raise ValueError("LAMB does not support amsgrad")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if max_grad_norm < 0:
-            raise ValueError(
-                f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}"
-            )
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
-        if not 0 <= min_coeff <= max_coeff:
-            raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": tuple(betas),
-            "eps": eps,
-            "eps_inside_sqrt": eps_inside_sqrt,
-            "weight_decay": weight_decay,
-            "max_grad_norm": max_grad_norm,
-            "max_coeff": max_coeff,
-            "min_coeff": min_coeff,
-        }
+        defaults = check_hyperparameters(
+            lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, max_grad_norm,
+            max_coeff, min_coeff, amsgrad
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -106,28 +92,17 @@ class Lamb(torch.optim.Optimizer):
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("LAMB does not support sparse gradients")
-            grad_divisor = self._clip_divisor(params, group["max_grad_norm"])
-            for bucket in _by_device_and_dtype(params):
+            grad_divisor = clip_divisor([p.grad for p in params], group["max_grad_norm"])
+            for bucket in by_device_and_dtype(params):
                 self._update(bucket, group, grad_divisor)
         return loss
 
-    @staticmethod
-    def _clip_divisor(params: list[torch.Tensor], max_grad_norm: float) -> float:
-        """What to divide the group's gradients by so their norm is at most ``max_grad_norm``."""
-        if max_grad_norm <= 0:
-            return 1.0
-        squares = 0.0
-        for grads in _by_device_and_dtype([p.grad for p in params]):
-            squares += float(torch.stack(_norms(grads)).square().sum())
-        clip = (math.sqrt(squares) + _CLIP_EPS) / max_grad_norm
-        return clip if clip > 1 else 1.0
-
-    def _state(self, params: list[torch.Tensor], group: dict[str, Any]) -> tuple[list, list, list]:
-        """Each parameter's moments (fp32 for fp16/bf16 parameters) and this step's step size."""
-        exp_avgs, exp_avg_sqs, step_sizes = [], [], []
+    def _state(self, params: list[torch.Tensor]) -> tuple[list, list, list]:
+        """Each parameter's moments (fp32 for fp16/bf16 parameters) and its advanced step."""
+        exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             state = self.state[p]
-            dtype = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
+            dtype = torch.float32 if p.dtype in LOW_PRECISION else p.dtype
             if not state:
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
@@ -138,60 +113,27 @@ class Lamb(torch.optim.Optimizer):
             state["step"] += 1
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            step_sizes.append(_step_size(group, state["step"]))
-        return exp_avgs, exp_avg_sqs, step_sizes
+            steps.append(state["step"])
+        return exp_avgs, exp_avg_sqs, steps
 
     def _update(self, params: list[torch.Tensor], group: dict[str, Any], divisor: float) -> None:
-        """One step for same-device, same-dtype ``params``; fp16/bf16 ones are computed in fp32."""
+        """One step for same-device, same-dtype ``params``."""
         beta1, beta2 = group["betas"]
-        exp_avgs, exp_avg_sqs, step_sizes = self._state(params, group)
-        low_precision = params[0].dtype in _LOW_PRECISION
-        work = [p.float() for p in params] if low_precision else params
-        grads = [p.grad.to(work[0].dtype) for p in params]
-
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=(1 - beta1) / divisor)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=(1 - beta2) / divisor**2)
-        del grads
-
-        if group["eps_inside_sqrt"]:
-            denom = torch._foreach_add(exp_avg_sqs, group["eps"])
-            torch._foreach_sqrt_(denom)
-        else:
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denom, group["eps"])
-        update = torch._foreach_div(exp_avgs, denom)
-        del denom
-        if group["weight_decay"] != 0:
-            torch._foreach_add_(update, work, alpha=group["weight_decay"])
-
-        w_norm = torch.stack(torch._foreach_norm(work))
-        u_norm = torch.stack(torch._foreach_norm(update))
-        ratio = (w_norm / u_norm).clamp_max(group["max_coeff"]).clamp_min(group["min_coeff"])
-        ratio = torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
-        sizes = torch.tensor(step_sizes, dtype=ratio.dtype, device=ratio.device)
-        torch._foreach_mul_(update, (ratio * sizes).neg().unbind(0))
-        torch._foreach_add_(work, update)
-        if low_precision:
-            torch._foreach_copy_(params, work)
-
-
-def _step_size(group: dict[str, Any], step: int) -> float:
-    if not group["bias_correction"]:
-        return group["lr"]
-    beta1, beta2 = group["betas"]
-    return group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-
-
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """2-norms of same-dtype tensors; fp16/bf16 are reduced in fp32 so the norm cannot overflow."""
-    dtype = torch.float32 if tensors[0].dtype in _LOW_PRECISION else None
-    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
-
-
-def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        buckets.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return list(buckets.values())
+        exp_avgs, exp_avg_sqs, steps = self._state(params)
+        lamb_reference(
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            step=steps,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+            eps_inside_sqrt=group["eps_inside_sqrt"],
+            max_coeff=group["max_coeff"],
+            min_coeff=group["min_coeff"],
+            grad_divisor=divisor,
+        )
