@@ -1,6 +1,6 @@
 """The per-node agent: starts this node's workers, relays their output, and stops them.
 
-Run as ``python -c <entry.AGENT_ARGS>`` (or ``python -m deepshard.launcher.agent``); the
+Run as ``python -c <spawn.AGENT_ARGS>`` (or ``python -m deepshard.launcher.agent``); the
 first line on stdin is the :class:`~.plan.NodePlan` as JSON. The agent then
 
 * starts one worker per slot, each in its own session (process group), with the env
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                                          args[args.index(contract.HOST_FLAG) + 1])
     else:
         line = _read_plan_line()
-        if not line:  # dismissed before a plan was sent (see entry.spawn_agent)
+        if not line:  # dismissed before a plan was sent (see spawn.spawn_agent)
             return 0
         text = line.decode("utf-8", "surrogateescape")
     node = read_node_plan(text)

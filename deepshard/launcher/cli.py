@@ -21,14 +21,14 @@ from ..errors import EXIT_USAGE, UsageError
 from . import procs
 from .backends import Backend, LocalBackend, Router
 from .coordinator import Coordinator
-from .entry import DEFAULT_HOSTFILE
+from .spawn import DEFAULT_HOSTFILE
 from .env_file import home_dir, read_env_files
 from .hostfile import read_hostfile
 from .options import LaunchOptions
 from .placement import place, select
 from .plan import LaunchPlan, build_plan
 from .resources import interface_addresses, is_local, local_names, probe_local
-from .slurm import allocation_resources, expand_nodelist, in_allocation
+from .slurm_env import allocation_resources, expand_nodelist, in_allocation
 from .supervisor import Outcome, supervise
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
     restarts_before = int(requeues) if requeues.isdigit() else 0
     first = make_plan(options, run_id=run_id, restart_count=restarts_before)
     if options.dry_run:
-        from .render import render_plan  # rich costs ~70 ms: only for --dry_run
+        from .plan_render import render_plan  # rich costs ~70 ms: only for --dry_run
 
         commands = None
         if options.launcher == "slurm":
@@ -333,7 +333,7 @@ def free_port(address: str) -> int:
 def run_cli(args: list[str], spawned: list) -> int:
     """Run ds-run on ``args``: one-line errors with exit code 2, the job's code otherwise.
 
-    ``spawned``: local agent processes started ahead of planning (see :mod:`.entry`).
+    ``spawned``: local agent processes started ahead of planning (see :mod:`.spawn`).
     """
     try:
         code = ds_run.main(args=args, prog_name="ds-run", standalone_mode=False, obj=spawned)

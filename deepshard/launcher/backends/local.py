@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from ..entry import spawn_agent
+from ..spawn import spawn_agent
 from ..plan import NodePlan
 from .base import AgentHandle, Backend
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from ... import contract
 from ...errors import UsageError
-from ..entry import AGENT_ARGS
+from ..spawn import AGENT_ARGS
 from ..plan import NodePlan
 from .base import AgentHandle, Backend
 

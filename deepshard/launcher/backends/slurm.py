@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from ...errors import UsageError
-from ..entry import AGENT_ARGS
+from ..spawn import AGENT_ARGS
 from ..plan import NodePlan
 from .base import AgentHandle, Backend
 from .local import LocalAgent

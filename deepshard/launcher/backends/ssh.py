@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...errors import UsageError
-from ..entry import AGENT_ARGS
+from ..spawn import AGENT_ARGS
 from ..plan import NodePlan
 from ..ssh_config import (
     SSHTarget,

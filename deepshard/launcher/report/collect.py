@@ -20,7 +20,7 @@ from pathlib import Path
 from ... import __version__
 from ...errors import UsageError
 from ..env_file import home_dir, read_env_files
-from ..render import MASK, is_secret
+from ..plan_render import MASK, is_secret
 from ..resources import cpu_count, gpu_ids
 
 SCHEMA_VERSION = 1

@@ -1,7 +1,7 @@
 """The ds-run command line is a public surface: a new or changed flag must be a decision.
 
 When a change to the flags is intended, regenerate the snapshot with
-``UPDATE_SNAPSHOTS=1 python -m pytest tests/unit/test_cli_surface.py`` and review its diff.
+``UPDATE_SNAPSHOTS=1 python -m pytest tests/unit/launcher/test_cli.py`` and review its diff.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from deepshard.launcher.cli import ds_run
-from deepshard.launcher.entry import likely_local_run
+from deepshard.launcher.spawn import likely_local_run
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "ds_run_help.txt"
 

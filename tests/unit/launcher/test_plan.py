@@ -1,4 +1,4 @@
-"""deepshard.launcher.plan (the LaunchPlan) and deepshard.launcher.render (--dry_run)."""
+"""deepshard.launcher.plan (the LaunchPlan) and deepshard.launcher.plan_render (--dry_run)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from deepshard import contract
 from deepshard.launcher.options import LaunchOptions
 from deepshard.launcher.placement import place
 from deepshard.launcher.plan import NodePlan, WorkerPlan, build_plan, worker_argv
-from deepshard.launcher.render import MASK, is_secret, render_plan, shown_env
+from deepshard.launcher.plan_render import MASK, is_secret, render_plan, shown_env
 from deepshard.launcher.resources import Host, Resources
 
 PY = "/usr/bin/python3"

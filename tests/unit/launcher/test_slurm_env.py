@@ -6,7 +6,7 @@ import pytest
 
 from deepshard.errors import UsageError
 from deepshard.launcher.cli import default_launcher
-from deepshard.launcher.slurm import allocation_resources, gpu_slots, in_allocation
+from deepshard.launcher.slurm_env import allocation_resources, gpu_slots, in_allocation
 
 ALLOC = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-02]"}
 
