@@ -240,31 +240,26 @@ def _device_clip_divisor(grads: list[torch.Tensor], max_grad_norm: float) -> tor
 
 
 def bench_cases(device: torch.device) -> list[BenchCase]:
-    """64M fp32 parameters in 20 tensors: ours against deepshard's ``torch._foreach`` Lamb
-    (torch has no LAMB), on the same kind of GPU tensors."""
-    # Benchmark-only import from the runtime (kernels is otherwise a leaf): the peer is the
-    # optimizer the engine would use without this kernel.
-    from deepshard.runtime.optim.lamb import Lamb
-
+    """64M fp32 parameters in 20 tensors: ours against :func:`lamb_reference` (torch has no
+    LAMB), the ``torch._foreach`` update the runtime's ``Lamb`` runs without this kernel, on
+    the same kind of GPU tensors."""
     sizes = [(64 << 20) // 20] * 19
     sizes.append((64 << 20) - sum(sizes))
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen) for s in sizes]
     grads = [torch.randn(s, device=device, generator=gen) for s in sizes]
-    ms = [torch.zeros_like(p) for p in params]
-    vs = [torch.zeros_like(p) for p in params]
-    steps = iter(range(1, 1 << 30))
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
-    def ours() -> None:
-        fused_lamb_step(params, grads, ms, vs, step=next(steps), lr=1e-3, beta1=0.9,
-                        beta2=0.999, eps=1e-8, weight_decay=0.01)
+    def stepper(step_fn: Callable[..., None], tensors: list[torch.Tensor]) -> Callable[[], None]:
+        ms = [torch.zeros_like(p) for p in tensors]
+        vs = [torch.zeros_like(p) for p in tensors]
+        steps = iter(range(1, 1 << 30))
+        return lambda: step_fn(tensors, grads, ms, vs, step=next(steps), **hp)
 
-    peer_params = [torch.nn.Parameter(p.clone()) for p in params]
-    for p, g in zip(peer_params, grads, strict=True):
-        p.grad = g
-    peer = Lamb(peer_params, lr=1e-3, weight_decay=0.01)
+    ours = stepper(fused_lamb_step, params)
+    peer = stepper(lamb_reference, [p.clone() for p in params])
     # The op's minimum: params read+write, grads read, two fp32 moments read+write (the
     # second read of p and the fp32 scratch u are this implementation's extra traffic).
     bytes_moved = sum(sizes) * 4 * (2 + 1 + 4)
-    return [BenchCase("fused_lamb 64M fp32 x20", bytes_moved, ours, peer.step,
-                      "deepshard Lamb (torch._foreach)")]
+    return [BenchCase("fused_lamb 64M fp32 x20", bytes_moved, ours, peer,
+                      "lamb_reference (torch._foreach, the runtime Lamb's update)")]
