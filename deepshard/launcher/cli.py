@@ -12,16 +12,23 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .. import __version__
 from ..errors import EXIT_USAGE, UsageError
 from . import procs
-from .backends import Backend, LocalBackend, Router
+from .backends import (
+    BACKENDS,
+    Backend,
+    LocalBackend,
+    Router,
+    default_backend,
+    get_backend,
+    launcher_help,
+)
 from .coordinator import Coordinator
-from .spawn import DEFAULT_HOSTFILE
 from .env_file import home_dir, read_env_files
 from .hostfile import read_hostfile
 from .options import LaunchOptions
@@ -29,10 +36,15 @@ from .placement import place, select
 from .plan import LaunchPlan, build_plan
 from .resources import interface_addresses, is_local, local_names, probe_local
 from .slurm_env import allocation_resources, expand_nodelist, in_allocation
+from .spawn import DEFAULT_HOSTFILE
 from .supervisor import Outcome, supervise
 
 if TYPE_CHECKING:
+    import subprocess
+
     from .live import LiveView
+
+    Spawned = list[subprocess.Popen[bytes]]
 
 
 @click.command(
@@ -56,12 +68,8 @@ if TYPE_CHECKING:
               "when every host is this machine].")
 @click.option("--master_port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port [default: a free port].")
-@click.option("--launcher", type=click.Choice(["ssh", "pdsh", "slurm", "local"]),
-              default=None,
-              help="How agents start on hosts that are not this machine (ssh: paramiko, no "
-                   "external binary; pdsh: as DeepSpeed does; slurm: srun inside an "
-                   "allocation; local: refuse remote hosts) [default: slurm inside a SLURM "
-                   "allocation without --hostfile, else ssh].")
+@click.option("--launcher", type=click.Choice(list(BACKENDS)), default=None,
+              help=launcher_help())
 @click.option("--launcher_args", default="", metavar="ARGS",
               help="Extra arguments for pdsh or srun (--launcher pdsh/slurm only).")
 @click.option("--ssh_port", type=click.IntRange(1, 65535), default=None,
@@ -94,21 +102,15 @@ if TYPE_CHECKING:
 @click.argument("user_script")
 @click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
-def ds_run(spawned: list, **params: object) -> int:
+def ds_run(spawned: Spawned, **params: Any) -> int:
+    # click's values, as its declarations above make them: LaunchOptions has their types
     if params["launcher"] is None:
-        params["launcher"] = default_launcher(params["hostfile"], os.environ)  # type: ignore[arg-type]
-    options = LaunchOptions(**{**params, "user_args": tuple(params["user_args"])})  # type: ignore[arg-type]
+        params["launcher"] = default_backend(params["hostfile"], os.environ)
+    options = LaunchOptions(**{**params, "user_args": tuple(params["user_args"])})
     return launch(options, spawned)
 
 
-def default_launcher(hostfile: str | None, environ: os._Environ | dict) -> str:
-    """slurm inside an allocation when no hostfile is given (or at /job/hostfile), else ssh."""
-    if hostfile is None and not os.path.isfile(DEFAULT_HOSTFILE) and in_allocation(environ):
-        return "slurm"
-    return "ssh"
-
-
-def launch(options: LaunchOptions, spawned: list | None = None) -> int:
+def launch(options: LaunchOptions, spawned: Spawned | None = None) -> int:
     """Plan the job (raising :class:`UsageError` on bad input), then run it, restarting
     it after failures while ``--max_restarts`` allows."""
     # a requeued SLURM job is the same run: its id and restart count carry over
@@ -121,14 +123,7 @@ def launch(options: LaunchOptions, spawned: list | None = None) -> int:
     if options.dry_run:
         from .plan_render import render_plan  # rich costs ~70 ms: only for --dry_run
 
-        commands = None
-        if options.launcher == "slurm":
-            from .backends.slurm import srun_command
-
-            python = options.remote_python or sys.executable
-            commands = {n.host: srun_command(n, python, options.launcher_args)
-                        for n in first.nodes}
-        render_plan(first, sys.stdout, commands)
+        render_plan(first, sys.stdout, shown_commands(options, first))
         return 0
     backend = Router(LocalBackend(spawned=spawned), remote_backend(options, first))
     live = sys.stdout.isatty() if options.live is None else options.live
@@ -195,31 +190,33 @@ def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live
 
 def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
     """The backend for the plan's remote nodes (``None`` when every node is local)."""
-    if options.launcher_args and options.launcher not in ("pdsh", "slurm"):
-        raise UsageError("--launcher_args is only used by --launcher pdsh and slurm",
+    spec = BACKENDS[options.launcher]
+    if options.launcher_args and not spec.takes_launcher_args:
+        users = " and ".join(name for name, s in BACKENDS.items() if s.takes_launcher_args)
+        raise UsageError(f"--launcher_args is only used by --launcher {users}",
                          hint="drop --launcher_args, or add --launcher pdsh")
     remote = [n.host for n in plan.nodes if not n.local]
     if not remote:
         return None
-    if options.launcher == "local":
+    if not spec.remote:
         raise UsageError(
-            f"host {remote[0]!r} is not this machine, and --launcher local starts workers on "
-            "this machine only", where=options.hostfile or DEFAULT_HOSTFILE,
-            hint="drop --launcher local to reach it over ssh, or --include localhost")
-    if options.launcher == "slurm":
-        from .backends.slurm import SlurmBackend
+            f"host {remote[0]!r} is not this machine, and --launcher {options.launcher} "
+            "starts workers on this machine only", where=options.hostfile or DEFAULT_HOSTFILE,
+            hint=f"drop --launcher {options.launcher} to reach it over ssh, or --include "
+                 "localhost")
+    # imported only now: the ssh backend brings paramiko (~200 ms)
+    return get_backend(options.launcher).from_options(options)
 
-        return SlurmBackend(remote_python=options.remote_python,
-                            launcher_args=options.launcher_args)
-    if options.launcher == "pdsh":
-        from .backends.pdsh import PdshBackend
 
-        return PdshBackend(remote_python=options.remote_python,
-                           launcher_args=options.launcher_args)
-    from .backends.ssh import SSHBackend  # paramiko: ~200 ms, only for remote hosts
-
-    return SSHBackend(ssh_port=options.ssh_port, remote_python=options.remote_python,
-                      connect_timeout=options.ssh_connect_timeout)
+def shown_commands(options: LaunchOptions, plan: LaunchPlan) -> dict[str, list[str]]:
+    """For ``--dry_run``: the command line that starts each remote node's agent, where the
+    backend has one worth showing (srun's)."""
+    remote = [n for n in plan.nodes if not n.local]
+    if not remote or not BACKENDS[options.launcher].remote:
+        return {}
+    backend = get_backend(options.launcher).from_options(options)
+    return {n.host: command for n in remote
+            if (command := backend.shown_command(n)) is not None}
 
 
 def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) -> LaunchPlan:
@@ -330,7 +327,7 @@ def free_port(address: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def run_cli(args: list[str], spawned: list) -> int:
+def run_cli(args: list[str], spawned: Spawned) -> int:
     """Run ds-run on ``args``: one-line errors with exit code 2, the job's code otherwise.
 
     ``spawned``: local agent processes started ahead of planning (see :mod:`.spawn`).

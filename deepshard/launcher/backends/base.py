@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..plan import NodePlan
+
+if TYPE_CHECKING:
+    from ..options import LaunchOptions
 
 
 class AgentHandle(ABC):
@@ -38,9 +42,21 @@ class AgentHandle(ABC):
 
 
 class Backend(ABC):
-    """Starts agents on nodes. Subclasses set ``name`` and implement :meth:`start`."""
+    """Starts agents on nodes. Subclasses set ``name`` and implement :meth:`start`; those
+    ``--launcher`` chooses (:data:`~deepshard.launcher.backends.BACKENDS`) also implement
+    :meth:`from_options`."""
 
     name: str
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> Backend:
+        """The backend as ``ds-run --launcher NAME`` and its other flags ask for it."""
+        raise NotImplementedError(f"{cls.__name__} is not chosen by --launcher")
+
+    def shown_command(self, node: NodePlan) -> list[str] | None:
+        """The command line that starts ``node``'s agent, for ``--dry_run`` (``None``:
+        nothing worth showing beyond the plan, e.g. an SSH session's command)."""
+        return None
 
     def prepare(self, nodes: tuple[NodePlan, ...]) -> None:  # noqa: B027
         """Everything that can fail before any worker starts (e.g. opening connections);

@@ -6,10 +6,14 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from ..spawn import spawn_agent
 from ..plan import NodePlan
+from ..spawn import spawn_agent
 from .base import AgentHandle, Backend
+
+if TYPE_CHECKING:
+    from ..options import LaunchOptions
 
 
 class LocalAgent(AgentHandle):
@@ -50,6 +54,10 @@ class LocalBackend(Backend):
                  spawned: list[subprocess.Popen[bytes]] | None = None):
         self.python = python
         self._spawned = spawned if spawned is not None else []
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> LocalBackend:
+        return cls()
 
     def start(self, node: NodePlan) -> AgentHandle:
         proc = self._spawned.pop() if self._spawned else spawn_agent(self.python)

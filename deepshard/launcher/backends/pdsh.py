@@ -21,12 +21,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ... import contract
 from ...errors import UsageError
-from ..spawn import AGENT_ARGS
 from ..plan import NodePlan
+from ..spawn import AGENT_ARGS
 from .base import AgentHandle, Backend
+
+if TYPE_CHECKING:
+    from ..options import LaunchOptions
 
 
 def pdsh_command(nodes: tuple[NodePlan, ...], python: str, extra: str) -> list[str]:
@@ -119,6 +123,10 @@ class PdshBackend(Backend):
         self.launcher_args = launcher_args
         self._run: _PdshRun | None = None
         self._nodes: tuple[NodePlan, ...] = ()
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> PdshBackend:
+        return cls(remote_python=options.remote_python, launcher_args=options.launcher_args)
 
     def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
         if shutil.which("pdsh") is None:

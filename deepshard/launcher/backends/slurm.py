@@ -12,12 +12,16 @@ import shlex
 import shutil
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..spawn import AGENT_ARGS
 from ..plan import NodePlan
+from ..spawn import AGENT_ARGS
 from .base import AgentHandle, Backend
 from .local import LocalAgent
+
+if TYPE_CHECKING:
+    from ..options import LaunchOptions
 
 
 def srun_command(node: NodePlan, python: str, launcher_args: str) -> list[str]:
@@ -36,6 +40,13 @@ class SlurmBackend(Backend):
     def __init__(self, *, remote_python: str | None = None, launcher_args: str = ""):
         self.python = remote_python or sys.executable
         self.launcher_args = launcher_args
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> SlurmBackend:
+        return cls(remote_python=options.remote_python, launcher_args=options.launcher_args)
+
+    def shown_command(self, node: NodePlan) -> list[str]:
+        return srun_command(node, self.python, self.launcher_args)
 
     def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
         if shutil.which("srun") is None:

@@ -23,10 +23,11 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from ..spawn import AGENT_ARGS
 from ..plan import NodePlan
+from ..spawn import AGENT_ARGS
 from ..ssh_config import (
     SSHTarget,
     import_paramiko,
@@ -35,6 +36,9 @@ from ..ssh_config import (
     resolve_target,
 )
 from .base import AgentHandle, Backend
+
+if TYPE_CHECKING:
+    from ..options import LaunchOptions
 
 STDERR_TAIL = 20
 
@@ -130,6 +134,11 @@ class SSHBackend(Backend):
         self._config_text = load_config_text(config_path)
         self._clients: dict[str, object] = {}
         self._extra: list[object] = []  # jump-host clients, closed last
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> SSHBackend:
+        return cls(ssh_port=options.ssh_port, remote_python=options.remote_python,
+                   connect_timeout=options.ssh_connect_timeout)
 
     def target(self, alias: str) -> SSHTarget:
         return resolve_target(alias, self._config_text, port_override=self.ssh_port)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from deepshard.errors import UsageError
-from deepshard.launcher.cli import default_launcher
 from deepshard.launcher.slurm_env import allocation_resources, gpu_slots, in_allocation
 
 ALLOC = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-02]"}
@@ -48,8 +47,3 @@ def test_errors():
     with pytest.raises(UsageError, match="not a list of GPU ids"):
         gpu_slots({"SLURM_JOB_GPUS": "gpu:a100:2"})
 
-
-def test_default_launcher():
-    assert default_launcher(None, ALLOC) == "slurm"
-    assert default_launcher("hosts", ALLOC) == "ssh"
-    assert default_launcher(None, {}) == "ssh"
