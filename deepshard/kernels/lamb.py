@@ -27,11 +27,10 @@ CLIP_EPS = 1e-6  # added to the gradient norm before comparing it with max_grad_
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # updated in fp32, with fp32 moments
 
 
-def check_hyperparameters(lr: float = 1e-3, bias_correction: bool = True,
-                          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                          eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
-                          max_grad_norm: float = 0.0, max_coeff: float = 10.0,
-                          min_coeff: float = 0.01, amsgrad: bool = False) -> dict[str, Any]:
+def check_hyperparameters(lr: float, bias_correction: bool, betas: tuple[float, float],
+                          eps: float, eps_inside_sqrt: bool, weight_decay: float,
+                          max_grad_norm: float, max_coeff: float, min_coeff: float,
+                          amsgrad: bool) -> dict[str, Any]:
     """The optimizer defaults of a LAMB with these arguments; ``ValueError`` for a bad one."""
     if amsgrad:
         raise ValueError("LAMB does not support amsgrad")
