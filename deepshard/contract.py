@@ -7,7 +7,10 @@ receives and defines the line protocol an agent speaks to the coordinator on its
 Agent → coordinator, one line each, UTF-8:
 
 * ``o <rank> <text>``: a line the worker ``rank`` printed (stdout and stderr merged);
-* ``e <json>``: an :class:`Event`, a JSON object with at least ``"kind"``.
+* ``e <json>``: an event, a JSON object with at least ``"kind"`` (one of the ``EV_*``
+  names); :func:`format_event` writes and :func:`decode_line` reads the typed events
+  (:class:`Started`, :class:`Exited`, :class:`AgentError`, :class:`Done`, :class:`Alive`,
+  :class:`Hung`).
 
 Coordinator → agent: the first line on the agent's stdin is its node plan as JSON
 (so that no value ever passes through a shell or shows in ``ps``); each later newline
@@ -62,26 +65,6 @@ ALIVE_INTERVAL = 1.0
 agent's stdin, which renews the agent's lease)."""
 
 
-class Event:
-    """One event from an agent: its ``kind`` (one of the ``EV_*`` names) and its fields."""
-
-    __slots__ = ("fields", "kind")
-
-    def __init__(self, kind: str, fields: dict[str, object] | None = None):
-        self.kind = kind
-        self.fields = fields or {}
-
-    def get(self, key: str, default: object = None) -> object:
-        return self.fields.get(key, default)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Event) and (self.kind, self.fields) == (other.kind,
-                                                                        other.fields)
-
-    def __repr__(self) -> str:
-        return f"Event({self.kind!r}, {self.fields!r})"
-
-
 class Output:
     """One line of a worker's output, without its newline."""
 
@@ -94,12 +77,356 @@ class Output:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Output) and (self.rank, self.text) == (other.rank, other.text)
 
+    def __hash__(self) -> int:
+        return hash((self.rank, self.text))
+
     def __repr__(self) -> str:
         return f"Output({self.rank!r}, {self.text!r})"
 
 
+# --- typed events -----------------------------------------------------------------------------
+# For the type checker these are frozen, keyword-only dataclasses. At run time _record builds
+# the same __init__, __eq__, __hash__, __repr__ and immutability without the dataclasses
+# module: the agent imports this module, and `dataclasses` (with `inspect`) adds ~6 ms to
+# every agent's start (measured here: 28.6 -> 35.1 ms), on every host of a job.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from dataclasses import dataclass
+    from typing import Any, TypeVar
+
+    _C = TypeVar("_C", bound=type)
+else:
+    def dataclass(*, frozen, kw_only):
+        assert frozen and kw_only, "only frozen keyword-only records are implemented"
+        return _record
+
+
+def _record(cls: _C) -> _C:
+    """``@dataclass(frozen=True, kw_only=True)`` for a class of annotated fields with
+    immutable defaults, as the type checker sees it (see above)."""
+    names = tuple(cls.__annotations__)  # the class's own, in order
+    defaults = {n: cls.__dict__[n] for n in names if n in cls.__dict__}
+
+    def __init__(self: Any, **values: Any) -> None:
+        for name in names:
+            if name in values:
+                value = values.pop(name)
+            elif name in defaults:
+                value = defaults[name]
+            else:
+                raise TypeError(f"{cls.__name__}() missing keyword argument {name!r}")
+            object.__setattr__(self, name, value)
+        if values:
+            raise TypeError(f"{cls.__name__}() got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, values))}")
+
+    def values_of(self: Any) -> tuple[Any, ...]:
+        return tuple(getattr(self, n) for n in names)
+
+    def __eq__(self: Any, other: Any) -> Any:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return values_of(self) == values_of(other)
+
+    def __hash__(self: Any) -> int:
+        return hash(values_of(self))
+
+    def __repr__(self: Any) -> str:
+        return f"{cls.__qualname__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot assign to field {name!r} of a frozen {cls.__name__}")
+
+    def __delattr__(self: Any, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r} of a frozen {cls.__name__}")
+
+    methods: tuple[Callable[..., Any], ...] = (__init__, __eq__, __hash__, __repr__,
+                                               __setattr__, __delattr__)
+    for method in methods:
+        method.__qualname__ = f"{cls.__qualname__}.{method.__name__}"
+        setattr(cls, method.__name__, method)
+    setattr(cls, "__match_args__", ())  # as for keyword-only dataclasses  # noqa: B010
+    return cls
+
+
+class ProtocolError(ValueError):
+    """An ``e`` line whose kind is unknown or whose fields do not fit its kind."""
+
+
+_MISSING: object = object()
+
+
+def _take(fields: Mapping[str, object], key: str, default: object = _MISSING) -> object:
+    if key in fields:
+        return fields[key]
+    if default is _MISSING:
+        raise ProtocolError(f"no {key!r}")
+    return default
+
+
+def _as_int(value: object, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ProtocolError(f"{key!r} is not an integer: {value!r}")
+
+
+def _as_float(value: object, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ProtocolError(f"{key!r} is not a number: {value!r}")
+
+
+def _as_opt_int(value: object, key: str) -> int | None:
+    return None if value is None else _as_int(value, key)
+
+
+def _as_opt_float(value: object, key: str) -> float | None:
+    return None if value is None else _as_float(value, key)
+
+
+def _as_str(value: object, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise ProtocolError(f"{key!r} is not a string: {value!r}")
+
+
+def _as_bool(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ProtocolError(f"{key!r} is not a boolean: {value!r}")
+
+
+def _as_dict(value: object, key: str) -> dict[str, object]:
+    if isinstance(value, dict):
+        return value
+    raise ProtocolError(f"{key!r} is not an object: {value!r}")
+
+
+def _as_list(value: object, key: str) -> list[object]:
+    if isinstance(value, list):
+        return value
+    raise ProtocolError(f"{key!r} is not a list: {value!r}")
+
+
+def _as_rank(text: str) -> int:
+    if text.isascii() and text.isdigit():
+        return int(text)
+    raise ProtocolError(f"{text!r} is not a rank")
+
+
+def _host(fields: Mapping[str, object]) -> str:
+    return _as_str(_take(fields, "host", ""), "host")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerStats:
+    """One worker in an :class:`Alive` event."""
+
+    step: int = -1
+    """The step of its last :func:`deepshard.heartbeat`; -1 before one gave a step."""
+    beat_age: float | None = None
+    """Seconds since its last heartbeat; ``None`` before the first."""
+    rss: int | None = None
+    """Resident memory of its process tree in bytes (psutil); ``None`` when unread."""
+    cpu: float | None = None
+    """CPU use of its process in percent (psutil); ``None`` when unread."""
+
+    def to_wire(self) -> dict[str, object]:
+        wire: dict[str, object] = {"step": self.step, "beat_age": self.beat_age}
+        if self.rss is not None:
+            wire["rss"] = self.rss
+        if self.cpu is not None:
+            wire["cpu"] = self.cpu
+        return wire
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> WorkerStats:
+        return cls(step=_as_int(_take(fields, "step", -1), "step"),
+                   beat_age=_as_opt_float(_take(fields, "beat_age", None), "beat_age"),
+                   rss=_as_opt_int(_take(fields, "rss", None), "rss"),
+                   cpu=_as_opt_float(_take(fields, "cpu", None), "cpu"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuStats:
+    """One GPU of a node in an :class:`Alive` event (NVML)."""
+
+    index: int
+    mem_used: int
+    """Bytes."""
+    mem_total: int
+    """Bytes."""
+    util: float
+    """Percent."""
+
+    def to_wire(self) -> dict[str, object]:
+        return {"index": self.index, "mem_used": self.mem_used, "mem_total": self.mem_total,
+                "util": self.util}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> GpuStats:
+        return cls(index=_as_int(_take(fields, "index"), "index"),
+                   mem_used=_as_int(_take(fields, "mem_used"), "mem_used"),
+                   mem_total=_as_int(_take(fields, "mem_total"), "mem_total"),
+                   util=_as_float(_take(fields, "util"), "util"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started:
+    """All workers of a node are running."""
+
+    kind = EV_STARTED
+    host: str = ""
+    """The node (every event names it)."""
+    pids: dict[int, int]
+    """rank -> pid."""
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host, "pids": {str(r): p for r, p in self.pids.items()}}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> Started:
+        pids = _as_dict(_take(fields, "pids", {}), "pids")
+        return cls(host=_host(fields),
+                   pids={_as_rank(r): _as_int(p, "pid") for r, p in pids.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exited:
+    """A worker ended."""
+
+    kind = EV_EXITED
+    host: str = ""
+    rank: int
+    returncode: int
+    """Its exit code; negative: killed by that signal."""
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host, "rank": self.rank, "returncode": self.returncode}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> Exited:
+        return cls(host=_host(fields), rank=_as_int(_take(fields, "rank"), "rank"),
+                   returncode=_as_int(_take(fields, "returncode"), "returncode"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentError:
+    """The agent could not do its job (a worker failed to start)."""
+
+    kind = EV_ERROR
+    host: str = ""
+    message: str
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host, "message": self.message}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> AgentError:
+        return cls(host=_host(fields), message=_as_str(_take(fields, "message"), "message"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    """The agent has stopped every worker and is about to exit."""
+
+    kind = EV_DONE
+    host: str = ""
+    state: str
+    """``succeeded``, ``failed`` or ``stopped``."""
+    reason: str = ""
+    """When stopped: why (a signal's name, ``channel closed``, ...)."""
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host, "state": self.state, "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> Done:
+        return cls(host=_host(fields), state=_as_str(_take(fields, "state"), "state"),
+                   reason=_as_str(_take(fields, "reason", ""), "reason"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alive:
+    """Sent every :data:`ALIVE_INTERVAL` seconds: the agent and its channel work."""
+
+    kind = EV_ALIVE
+    host: str = ""
+    workers: dict[int, WorkerStats]
+    """rank -> stats, for the workers still running."""
+    gpus: tuple[GpuStats, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host,
+                "workers": {str(r): w.to_wire() for r, w in self.workers.items()},
+                "gpus": [g.to_wire() for g in self.gpus]}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> Alive:
+        workers = _as_dict(_take(fields, "workers", {}), "workers")
+        gpus = _as_list(_take(fields, "gpus", []), "gpus")
+        return cls(host=_host(fields),
+                   workers={_as_rank(r): WorkerStats.from_wire(_as_dict(w, "worker"))
+                            for r, w in workers.items()},
+                   gpus=tuple(GpuStats.from_wire(_as_dict(g, "gpu")) for g in gpus))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hung:
+    """Workers stopped heartbeating for longer than the hang timeout."""
+
+    kind = EV_HUNG
+    host: str = ""
+    rank: int
+    """The rank silent longest."""
+    silent: float
+    """For how many seconds it has been silent."""
+    ranks: tuple[int, ...] = ()
+    """Every hung rank of the node, whose stacks were dumped."""
+    dumped: bool = False
+    """Whether a stack dump was signalled (false: the silent process is gone)."""
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host, "rank": self.rank, "silent": self.silent,
+                "ranks": list(self.ranks), "dumped": self.dumped}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, object]) -> Hung:
+        ranks = _as_list(_take(fields, "ranks", []), "ranks")
+        return cls(host=_host(fields), rank=_as_int(_take(fields, "rank"), "rank"),
+                   silent=_as_float(_take(fields, "silent"), "silent"),
+                   ranks=tuple(_as_int(r, "ranks") for r in ranks),
+                   dumped=_as_bool(_take(fields, "dumped", False), "dumped"))
+
+
+AgentEvent = Started | Exited | AgentError | Done | Alive | Hung
+"""Everything an agent reports besides its workers' output."""
+_PARSERS: dict[str, Callable[[Mapping[str, object]], AgentEvent]] = {
+    EV_STARTED: Started.from_wire, EV_EXITED: Exited.from_wire,
+    EV_ERROR: AgentError.from_wire, EV_DONE: Done.from_wire, EV_ALIVE: Alive.from_wire,
+    EV_HUNG: Hung.from_wire,
+}
+
+
+def parse_event(fields: Mapping[str, object]) -> AgentEvent:
+    """The typed event of an ``e`` line's JSON object; :class:`ProtocolError` when its
+    ``kind`` is unknown or a field does not fit that kind."""
+    kind = fields.get("kind")
+    parse = _PARSERS.get(kind) if isinstance(kind, str) else None
+    if parse is None:
+        raise ProtocolError(f"unknown event kind {kind!r}")
+    return parse(fields)
+
+
+def format_event(event: AgentEvent) -> str:
+    """The protocol line (with newline) of an event."""
+    return encode_event(event.kind, **event.to_wire())
+
+
 def encode_event(kind: str, **fields: object) -> str:
-    """The protocol line (with newline) for an event."""
+    """The protocol line (with newline) of an event given as its kind and JSON fields
+    (what :func:`format_event` writes)."""
     return "e " + json.dumps({"kind": kind, **fields}, separators=(",", ":")) + "\n"
 
 
@@ -108,8 +435,9 @@ def encode_output(rank: int, text: str) -> str:
     return f"o {rank} {text}\n"
 
 
-def decode_line(line: str) -> Event | Output | None:
-    """Parse one protocol line; ``None`` for a line that is neither (e.g. a stray print)."""
+def decode_line(line: str) -> Output | AgentEvent | None:
+    """Parse one protocol line; ``None`` for a line that is neither output nor a known,
+    well-formed event (e.g. a stray print, which the coordinator shows as it is)."""
     line = line.rstrip("\n")
     if line.startswith("o "):
         rank, _, text = line[2:].partition(" ")
@@ -120,9 +448,11 @@ def decode_line(line: str) -> Event | Output | None:
             data = json.loads(line[2:])
         except (ValueError, RecursionError):
             return None
-        if isinstance(data, dict) and isinstance(data.get("kind"), str):
-            kind = data.pop("kind")
-            return Event(kind, data)
+        if isinstance(data, dict):
+            try:
+                return parse_event(data)
+            except ProtocolError:
+                return None
     return None
 
 

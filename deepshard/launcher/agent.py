@@ -47,7 +47,7 @@ from . import procs
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import BinaryIO
+    from typing import Any, BinaryIO
 
     from .plan import NodePlan, WorkerPlan
 
@@ -78,7 +78,7 @@ class _Worker:
         self.beat_file = beat_file
         self.returncode: int | None = None
         self.reported = False
-        self.stats: object = None  # psutil.Process, once stats are first read
+        self.stats: Any = None  # psutil.Process, once stats are first read
 
 
 class _Channel:
@@ -107,10 +107,11 @@ class _Probe:
     imported on first use: after the workers have started, never on the start-up path."""
 
     def __init__(self) -> None:
-        self._nvml: object = None
+        self._nvml: Any = None
         self._nvml_tried = False
 
-    def worker(self, w: _Worker) -> dict[str, object]:
+    def worker(self, w: _Worker) -> tuple[int | None, float | None]:
+        """(RSS of its process tree in bytes, CPU percent of its process), or Nones."""
         import psutil
 
         try:
@@ -123,11 +124,11 @@ class _Probe:
             for p in tree:
                 with contextlib.suppress(psutil.Error):
                     rss += p.memory_info().rss
-            return {"rss": rss, "cpu": proc.cpu_percent()}
+            return rss, proc.cpu_percent()
         except psutil.Error:
-            return {}
+            return None, None
 
-    def gpus(self) -> list[dict[str, object]]:
+    def gpus(self) -> tuple[contract.GpuStats, ...]:
         if not self._nvml_tried:
             self._nvml_tried = True
             try:
@@ -139,18 +140,18 @@ class _Probe:
                 self._nvml = None
         nvml = self._nvml
         if nvml is None:
-            return []
+            return ()
         found = []
         try:
             for i in range(nvml.nvmlDeviceGetCount()):
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle)
                 util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                found.append({"index": i, "mem_used": mem.used, "mem_total": mem.total,
-                              "util": util.gpu})
+                found.append(contract.GpuStats(index=i, mem_used=mem.used,
+                                               mem_total=mem.total, util=util.gpu))
         except Exception:  # a device that vanished mid-read: report what was read
             pass
-        return found
+        return tuple(found)
 
 
 def core_sets(cores: list[int], workers: int) -> list[list[int]]:
@@ -167,8 +168,9 @@ class Agent:
     def __init__(self, node: NodePlan, out: BinaryIO):
         self.node = node
         self.state = AgentState.STARTING
-        self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._channel = _Channel(out, lambda: self._events.put(("stop", "channel closed")))
+        # a stop request (its reason), or a worker that exited (with its return code)
+        self._events: queue.SimpleQueue[str | tuple[_Worker, int]] = queue.SimpleQueue()
+        self._channel = _Channel(out, lambda: self._events.put("channel closed"))
         self._workers: list[_Worker] = []
         self._last_heard = time.monotonic()
         self._stop_reason = ""
@@ -185,22 +187,23 @@ class Agent:
         try:
             self._start_workers()
         except OSError as exc:
-            self._channel.write(contract.encode_event(
-                contract.EV_ERROR, host=self.node.host,
+            self._send(contract.AgentError(
+                host=self.node.host,
                 message=f"cannot start worker: {exc.strerror or exc}: {exc.filename or ''}"))
             self.state = AgentState.FAILED
             self._stop_all()
         else:
             self.state = AgentState.RUNNING
-            self._channel.write(contract.encode_event(
-                contract.EV_STARTED, host=self.node.host,
-                pids={str(w.plan.rank): w.proc.pid for w in self._workers}))
+            self._send(contract.Started(host=self.node.host,
+                                        pids={w.plan.rank: w.proc.pid for w in self._workers}))
             self._monitor()
         self._remove_beat_files()
-        self._channel.write(contract.encode_event(
-            contract.EV_DONE, host=self.node.host, state=self.state.value,
-            reason=self._stop_reason))
+        self._send(contract.Done(host=self.node.host, state=self.state.value,
+                                 reason=self._stop_reason))
         return 0 if self.state is AgentState.SUCCEEDED else 1
+
+    def _send(self, event: contract.AgentEvent) -> None:
+        self._channel.write(contract.format_event(event))
 
     def _remove_beat_files(self) -> None:
         if not self._beat_dir:
@@ -217,7 +220,7 @@ class Agent:
 
     def request_stop(self, reason: str) -> None:
         """Ask the monitor loop to stop all workers (safe from signal handlers)."""
-        self._events.put(("stop", reason))
+        self._events.put(reason)
 
     def _monitor(self) -> None:
         pending = len(self._workers)
@@ -226,38 +229,36 @@ class Agent:
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + contract.ALIVE_INTERVAL
-                kind, payload = self._tick(now)
-            else:
-                try:
-                    kind, payload = self._events.get(timeout=next_tick - now)
-                except queue.Empty:
-                    continue
-            if kind == "ok":
+                end = self._tick(now)
+                if end is not None:
+                    self._end(*end)
+                    return
                 continue
-            if kind == "hung":
-                self.state = AgentState.FAILED
-                self._stop_all()
+            try:
+                item = self._events.get(timeout=next_tick - now)
+            except queue.Empty:
+                continue
+            if isinstance(item, str):  # asked to stop: a signal, the channel closed
+                self._end(AgentState.STOPPED, item)
                 return
-            if kind == "stop":
-                self.state = AgentState.STOPPED
-                self._stop_reason = str(payload)
-                self._stop_all()
-                return
-            worker = payload
-            assert isinstance(worker, _Worker)
+            worker, returncode = item
             pending -= 1
-            self._report_exit(worker)
-            if worker.returncode != 0:
-                self.state = AgentState.FAILED
-                self._stop_all()
+            self._report_exit(worker, returncode)
+            if returncode != 0:
+                self._end(AgentState.FAILED)
                 return
-        self.state = AgentState.SUCCEEDED
-        self._stop_all()  # reaps what the workers left behind
+        self._end(AgentState.SUCCEEDED)  # reaps what the workers left behind
 
-    def _tick(self, now: float) -> tuple[str, object]:
-        """Once a second: report liveness and stats; check the lease and for hung workers."""
+    def _end(self, state: AgentState, reason: str = "") -> None:
+        self.state = state
+        self._stop_reason = reason
+        self._stop_all()
+
+    def _tick(self, now: float) -> tuple[AgentState, str] | None:
+        """Once a second: report liveness and stats; check the lease and for hung workers.
+        Returns how the node ends (state, reason) when it must end now."""
         now_ns = time.monotonic_ns()
-        workers: dict[str, dict[str, object]] = {}
+        workers: dict[int, contract.WorkerStats] = {}
         hung: list[tuple[float, int, _Worker, int]] = []
         for w in self._workers:
             if w.returncode is not None:
@@ -267,22 +268,23 @@ class Agent:
             except OSError:
                 beat_ns, step, beat_pid = 0, -1, 0
             age = (now_ns - beat_ns) / 1e9 if beat_ns else None
-            workers[str(w.plan.rank)] = {"step": step, "beat_age": age,
-                                         **self._probe.worker(w)}
+            rss, cpu = self._probe.worker(w)
+            workers[w.plan.rank] = contract.WorkerStats(step=step, beat_age=age, rss=rss,
+                                                        cpu=cpu)
             hang = self.node.hang_timeout
             if hang and age is not None and age > hang:
                 hung.append((-age, step, w, beat_pid))
-        self._channel.write(contract.encode_event(
-            contract.EV_ALIVE, host=self.node.host, workers=workers, gpus=self._probe.gpus()))
+        self._send(contract.Alive(host=self.node.host, workers=workers,
+                                  gpus=self._probe.gpus()))
         if hung:
             # ranks waiting in a collective for a stuck one stall too: dump them all, and
             # name the one silent longest (then: furthest behind, then lowest rank)
             hung.sort(key=lambda h: (h[0], h[1], h[2].plan.rank))
             self._dump_stacks([(w, pid) for _, _, w, pid in hung], -hung[0][0])
-            return "hung", hung[0][2]
+            return AgentState.FAILED, ""
         if self.node.lease_timeout and now - self._last_heard > self.node.lease_timeout:
-            return "stop", "the coordinator is unreachable"
-        return "ok", None
+            return AgentState.STOPPED, "the coordinator is unreachable"
+        return None
 
     def _dump_stacks(self, hung: list[tuple[_Worker, int]], silent: float) -> None:
         """Have hung workers print their Python stacks (faulthandler) into their output:
@@ -296,9 +298,9 @@ class Agent:
                     dumped = True
         if dumped:
             time.sleep(0.5)  # the dumps travel through the workers' pipes to their logs
-        self._channel.write(contract.encode_event(
-            contract.EV_HUNG, host=self.node.host, rank=hung[0][0].plan.rank, silent=silent,
-            ranks=sorted(w.plan.rank for w, _ in hung), dumped=dumped))
+        self._send(contract.Hung(host=self.node.host, rank=hung[0][0].plan.rank,
+                                 silent=silent, ranks=tuple(sorted(w.plan.rank for w, _ in hung)),
+                                 dumped=dumped))
 
     # -- workers -----------------------------------------------------------------------------
     def _start_workers(self) -> None:
@@ -363,17 +365,16 @@ class Agent:
                 log.close()
 
     def _wait(self, worker: _Worker) -> None:
-        worker.returncode = worker.proc.wait()
-        self._events.put(("exit", worker))
+        returncode = worker.returncode = worker.proc.wait()
+        self._events.put((worker, returncode))
 
-    def _report_exit(self, worker: _Worker) -> None:
+    def _report_exit(self, worker: _Worker, returncode: int) -> None:
         # output a child printed before dying reaches the coordinator before its exit event;
         # a grandchild holding the pipe open must not delay the report for long
         worker.reader.join(timeout=0.25)
         worker.reported = True
-        self._channel.write(contract.encode_event(
-            contract.EV_EXITED, host=self.node.host, rank=worker.plan.rank,
-            returncode=worker.returncode))
+        self._send(contract.Exited(host=self.node.host, rank=worker.plan.rank,
+                                   returncode=returncode))
 
     def _stop_all(self) -> None:
         """TERM each remaining worker's process group and every other descendant once,
@@ -382,8 +383,8 @@ class Agent:
         procs.stop_tree(live, self.node.stop_grace, keep={w.proc.pid for w in self._workers})
         for w in self._workers:
             if not w.reported:
-                w.returncode = w.proc.wait()
-                self._report_exit(w)
+                returncode = w.returncode = w.proc.wait()
+                self._report_exit(w, returncode)
 
 
 def _remove_stale_beat_dirs(base_dir: str) -> None:

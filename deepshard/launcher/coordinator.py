@@ -73,8 +73,10 @@ class _Echo:
         self.tails: dict[int, collections.deque[str]] = {}
         self.queue: queue.Queue[contract.Output | str | None] = queue.Queue(maxsize=4096)
         self._closed = out is None
-        with contextlib.suppress(AttributeError, ValueError):
-            out.reconfigure(errors="replace")  # type: ignore[union-attr]
+        reconfigure = getattr(out, "reconfigure", None)  # a TextIOWrapper's, not TextIO's
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError):
+                reconfigure(errors="replace")
         self._thread = threading.Thread(target=self._run, daemon=True, name="echo")
         self._thread.start()
 
@@ -87,21 +89,42 @@ class _Echo:
             self._write(item)
 
     def _write(self, text: str) -> None:
-        if self._closed:
+        out = self.out
+        if self._closed or out is None:
             return
         try:
-            self.out.write(text)  # type: ignore[union-attr]
-            self.out.flush()  # type: ignore[union-attr]
+            out.write(text)
+            out.flush()
         except (OSError, ValueError, AttributeError):
             self._closed = True
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 # a broken pipe must not make the interpreter complain at exit
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())  # type: ignore[union-attr]
+                os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
     def finish(self) -> None:
         """Print everything still queued, then stop."""
         self.queue.put(None)
         self._thread.join()
+
+
+@dataclass(frozen=True)
+class _FromAgent:
+    index: int
+    event: contract.AgentEvent
+
+
+@dataclass(frozen=True)
+class _ChannelClosed:
+    index: int
+
+
+@dataclass(frozen=True)
+class _StopRequested:
+    signum: int
+
+
+_Message = _FromAgent | _ChannelClosed | _StopRequested
+"""What reaches the coordinator's loop: from the channels' threads and signal handlers."""
 
 
 class Coordinator:
@@ -117,7 +140,7 @@ class Coordinator:
         self.monitor_timeout = monitor_timeout
         self.view = view
         """The live per-rank table, when ds-run's stdout is a terminal."""
-        self._events: queue.SimpleQueue[tuple[str, int, object]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._agents: list[AgentHandle] = []
         self._last_heard: dict[int, float] = {}
         self._echo: _Echo | None = None
@@ -159,16 +182,16 @@ class Coordinator:
         for line in agent.lines():
             self._last_heard[index] = time.monotonic()
             message = contract.decode_line(line)
-            if isinstance(message, contract.Event):
-                self._events.put(("event", index, message))
-            elif message is not None:
+            if isinstance(message, contract.Output):
                 self._echo.queue.put(message)
+            elif message is not None:
+                self._events.put(_FromAgent(index, message))
             else:  # not protocol: something on the node printed on the agent's stdout
                 self._echo.queue.put(line if line.endswith("\n") else line + "\n")
-        self._events.put(("eof", index, None))
+        self._events.put(_ChannelClosed(index))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self._events.put(("signal", -1, signum))
+        self._events.put(_StopRequested(signum))
 
     def _loop(self) -> None:
         open_channels = set(range(len(self._agents)))
@@ -184,25 +207,26 @@ class Coordinator:
             if self._give_up_at is not None and now > self._give_up_at:
                 return  # stopped agents that do not close their channel get killed
             try:
-                kind, index, payload = self._events.get(timeout=max(0.01, next_ping - now))
+                message = self._events.get(timeout=max(0.01, next_ping - now))
             except queue.Empty:
                 continue
-            if kind == "signal":
-                assert isinstance(payload, int)
-                self._on_stop_request(payload)
-            elif kind == "eof":
-                open_channels.discard(index)
-                if index not in done:
-                    agent = self._agents[index]
-                    why = " | ".join(agent.diagnostics()[-3:])
-                    self._fail(Failure(agent.node.host, None, None,
-                                       f"lost the agent on {agent.node.host}"
-                                       + (f": {why}" if why else "")))
-            else:
-                assert isinstance(payload, contract.Event)
-                if payload.kind == contract.EV_DONE:
-                    done.add(index)
-                self._on_event(index, payload)
+            match message:
+                case _StopRequested(signum=signum):
+                    self._on_stop_request(signum)
+                case _ChannelClosed(index=index):
+                    open_channels.discard(index)
+                    if index not in done:
+                        self._on_lost(self._agents[index])
+                case _FromAgent(index=index, event=event):
+                    if isinstance(event, contract.Done):
+                        done.add(index)
+                    self._on_event(index, event)
+
+    def _on_lost(self, agent: AgentHandle) -> None:
+        """An agent's channel closed before it said it was done."""
+        why = " | ".join(agent.diagnostics()[-3:])
+        self._fail(Failure(agent.node.host, None, None, f"lost the agent on {agent.node.host}"
+                           + (f": {why}" if why else "")))
 
     def _check_silence(self, watched: set[int], now: float) -> None:
         """A remote agent that has said nothing (not even ``alive``) for too long is lost;
@@ -217,32 +241,32 @@ class Coordinator:
                                f"{agent.node.host} for {silent:.0f} s (host or network down?)"))
             agent.kill()  # nothing more will come; the agent stops itself (its lease)
 
-    def _on_event(self, index: int, event: contract.Event) -> None:
+    def _on_event(self, index: int, event: contract.AgentEvent) -> None:
         host = self._agents[index].node.host
-        if event.kind == contract.EV_EXITED:
-            rc = int(event.get("returncode"))  # type: ignore[arg-type]
-            if self.view is not None:
-                self.view.exited(int(event.get("rank")), rc)  # type: ignore[arg-type]
-            if rc != 0:
-                rank = int(event.get("rank"))  # type: ignore[arg-type]
-                self._fail(Failure(host, rank, rc, describe_returncode(rc)))
-        elif event.kind == contract.EV_ERROR:
-            self._fail(Failure(host, None, None, str(event.get("message"))))
-        elif event.kind == contract.EV_HUNG:
-            rank = int(event.get("rank"))  # type: ignore[arg-type]
-            silent = float(event.get("silent"))  # type: ignore[arg-type]
-            ranks = ",".join(map(str, event.get("ranks") or [rank]))  # type: ignore[union-attr]
-            where = ("their Python stacks are in their output and logs" if event.get("dumped")
-                     else "no stacks: the silent process is gone")
-            self._fail(Failure(host, rank, None, f"hung: no heartbeat for {silent:.0f} s "
-                               f"(hung on {host}: rank(s) {ranks}; {where})"))
-        elif event.kind == contract.EV_ALIVE and self.view is not None:
-            self.view.update(host, event.get("workers") or {}, event.get("gpus") or [])
-        elif event.kind == contract.EV_DONE and event.get("state") not in ("succeeded",
-                                                                           "failed"):
-            # stopped by someone else (a signal on that host, its lease running out)
-            self._fail(Failure(host, None, None, f"the agent on {host} stopped its workers "
-                               f"({event.get('reason') or event.get('state')})"))
+        match event:
+            case contract.Exited(rank=rank, returncode=rc):
+                if self.view is not None:
+                    self.view.exited(rank, rc)
+                if rc != 0:
+                    self._fail(Failure(host, rank, rc, describe_returncode(rc)))
+            case contract.AgentError(message=message):
+                self._fail(Failure(host, None, None, message))
+            case contract.Hung(rank=rank, silent=silent, ranks=ranks, dumped=dumped):
+                where = ("their Python stacks are in their output and logs" if dumped
+                         else "no stacks: the silent process is gone")
+                named = ",".join(map(str, ranks or (rank,)))
+                self._fail(Failure(host, rank, None, f"hung: no heartbeat for {silent:.0f} s "
+                                   f"(hung on {host}: rank(s) {named}; {where})"))
+            case contract.Alive(workers=workers, gpus=gpus):
+                if self.view is not None:
+                    self.view.update(host, workers, gpus)
+            case contract.Done(state=state, reason=reason):
+                if state not in ("succeeded", "failed"):
+                    # stopped by someone else (a signal on that host, its lease running out)
+                    self._fail(Failure(host, None, None, f"the agent on {host} stopped its "
+                                       f"workers ({reason or state})"))
+            case contract.Started():
+                pass
 
     def _fail(self, failure: Failure) -> None:
         if self.failure is None and not self._stopping:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from ..contract import GpuStats, WorkerStats
 from .plan import LaunchPlan
 
 
@@ -64,14 +66,19 @@ class LiveView:
 
         return _Writer()
 
-    def update(self, host: str, workers: dict, gpus: list) -> None:
-        by_index = {g.get("index"): g for g in gpus}
+    def update(self, host: str, workers: Mapping[int, WorkerStats],
+               gpus: Sequence[GpuStats]) -> None:
+        """An ``alive`` event of ``host``'s agent."""
+        by_index = {g.index: g for g in gpus}
         with self._lock:
-            for rank_text, stats in workers.items():
-                row = self._rows.setdefault(int(rank_text), {"host": host})
-                row.update(stats, state="running")
-                gpu = by_index.get(self._device.get(int(rank_text)))
-                row["gpu_mem"] = gpu.get("mem_used") if gpu else None
+            for rank, stats in workers.items():
+                row = self._rows.setdefault(rank, {"host": host})
+                row.update(step=stats.step, beat_age=stats.beat_age, state="running")
+                if stats.rss is not None or stats.cpu is not None:  # else: the last ones read
+                    row.update(rss=stats.rss, cpu=stats.cpu)
+                device = self._device.get(rank)
+                gpu = by_index.get(device) if device is not None else None
+                row["gpu_mem"] = gpu.mem_used if gpu else None
         self._live.update(self._table())
 
     def exited(self, rank: int, returncode: int) -> None:
