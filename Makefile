@@ -32,8 +32,10 @@ demo: install
 	$(VENV)/bin/ds-run --num_gpus 2 examples/train_gpt.py \
 		--deepspeed_config examples/configs/stage0.json --steps 20
 
+# mypy: the torch-free layers ([tool.mypy] files in pyproject.toml), never following into torch
 lint: install-test
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 # pytest exits 5 when it collects nothing: that fails this target like any other error
 test: lint
@@ -56,4 +58,4 @@ bench-parallel: install
 	$(PY) benchmarks/parallel.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -49,7 +49,7 @@ def _expand_item(item: str, whole: str) -> list[str]:
         raise _malformed(whole)
     prefix, body, rest = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
     tails = _expand_item(rest, whole) if rest else [""]
-    names = []
+    names: list[str] = []
     for part in body.split(","):
         match = _RANGE.match(part.strip())
         if not match:

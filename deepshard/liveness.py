@@ -42,8 +42,9 @@ def register_stack_dump() -> None:
     try:
         faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
     except (AttributeError, ValueError, io.UnsupportedOperation):
-        faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__, all_threads=True,
-                              chain=False)
+        if sys.__stderr__ is not None:  # None: no stderr at all (pythonw), no dumps
+            faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__, all_threads=True,
+                                  chain=False)
 
 
 class _Beater:

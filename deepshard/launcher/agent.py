@@ -349,12 +349,13 @@ class Agent:
         return open(os.path.join(self.node.log_dir, f"rank_{rank}.log"), "ab", buffering=0)
 
     def _relay(self, rank: int, proc: subprocess.Popen[bytes], log: BinaryIO | None) -> None:
-        assert proc.stdout is not None
+        stdout = proc.stdout
+        assert stdout is not None
         # incremental: a line longer than _MAX_LINE is relayed in pieces, and a character
         # cut at a piece's end must not turn into replacement characters
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         try:
-            for raw in iter(lambda: proc.stdout.readline(_MAX_LINE), b""):
+            for raw in iter(lambda: stdout.readline(_MAX_LINE), b""):
                 if log is not None:
                     log.write(raw)
                 end = raw.endswith(b"\n")
@@ -426,7 +427,8 @@ def _read_plan_line() -> bytes:
 def read_node_plan(text: str) -> NodePlan:
     """The node plan as the agent uses it: attribute access over the JSON of
     :meth:`NodePlan.to_json` (the same fields; ``env`` entries are ``[key, value]`` lists)."""
-    return json.loads(text, object_hook=lambda d: types.SimpleNamespace(**d))
+    plan: NodePlan = json.loads(text, object_hook=lambda d: types.SimpleNamespace(**d))
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:

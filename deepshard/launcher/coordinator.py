@@ -24,6 +24,8 @@ from .backends.base import AgentHandle, Backend
 from .plan import LaunchPlan
 
 if TYPE_CHECKING:
+    import io
+
     from .live import LiveView
 
 TAIL_LINES = 20
@@ -67,7 +69,7 @@ class _Echo:
     (closed, disk full, gone) stops the echo only, never the job.
     """
 
-    def __init__(self, out: TextIO | None, host_of: dict[int, str]):
+    def __init__(self, out: TextIO | io.TextIOBase | None, host_of: dict[int, str]):
         self.out = out
         self.host_of = host_of
         self.tails: dict[int, collections.deque[str]] = {}

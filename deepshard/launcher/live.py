@@ -7,10 +7,13 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..contract import GpuStats, WorkerStats
 from .plan import LaunchPlan
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def _bytes(n: object) -> str:
@@ -54,7 +57,7 @@ class LiveView:
         self._live.update(self._table(), refresh=True)
         self._live.stop()
 
-    def writer(self) -> TextIO:
+    def writer(self) -> io.TextIOBase:
         """A text stream whose lines are printed above the table."""
         view = self
 
@@ -88,7 +91,7 @@ class LiveView:
                 else f"signal {-returncode}")
         self._live.update(self._table())
 
-    def _table(self):
+    def _table(self) -> Table:
         from rich.table import Table
 
         table = Table(title=self.title or None, expand=False)

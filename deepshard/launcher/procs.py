@@ -14,6 +14,10 @@ import os
 import signal
 import time
 
+TYPE_CHECKING = False  # no typing at run time: the agent starts on every host at once
+if TYPE_CHECKING:
+    from collections.abc import Set as AbstractSet
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -87,7 +91,7 @@ def _reap_adopted(keep: set[int]) -> None:
                 os.waitpid(pid, os.WNOHANG)
 
 
-def stop_tree(groups: set[int], grace: float, keep: set[int] = frozenset()) -> None:
+def stop_tree(groups: set[int], grace: float, keep: AbstractSet[int] = frozenset()) -> None:
     """Stop every descendant: SIGTERM once to each process group in ``groups`` and to every
     other descendant, up to ``grace`` seconds for *all* of them to exit, then SIGKILL.
 

@@ -79,7 +79,7 @@ def include(resources: Resources, selections: tuple[Selection, ...], flag: str) 
     _check_known(resources, selections, flag)
     chosen = {s.host: s.slots for s in selections}
     hosts = tuple(
-        Host(h.name, h.slots if chosen[h.name] is None else chosen[h.name], h.where)
+        Host(h.name, h.slots if (slots := chosen[h.name]) is None else slots, h.where)
         for h in resources.hosts
         if h.name in chosen
     )

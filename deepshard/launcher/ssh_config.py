@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 
@@ -84,7 +85,7 @@ def resolve_target(alias: str, config_text: str, *, port_override: int | None = 
     )
 
 
-def import_paramiko():
+def import_paramiko() -> Any:
     """paramiko, imported without ``invoke``.
 
     paramiko's config module imports invoke (~120 ms, more than a third of paramiko's
@@ -92,7 +93,8 @@ def import_paramiko():
     own message. Imported on first need only: ds-run starts local jobs without it.
     """
     if "paramiko" not in sys.modules:
-        sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
+        blocked: Any = None  # None in sys.modules blocks an import (typeshed says modules only)
+        sys.modules.setdefault("invoke", blocked)
         # paramiko logs every failed handshake with a traceback ("Error reading SSH
         # protocol banner"); ds-run reports each host's failure in one line instead
         import logging

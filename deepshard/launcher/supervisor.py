@@ -23,7 +23,7 @@ class Outcome:
 
 def backoff(restart: int) -> float:
     """Seconds to wait before restart number ``restart + 1``: 0.5, 1, 2, 4, then 8."""
-    return min(0.5 * 2**restart, 8.0)
+    return min(0.5 * 2.0**restart, 8.0)
 
 
 def supervise(attempt: Callable[[int], Outcome], max_restarts: int, *, err: TextIO,

@@ -108,13 +108,13 @@ def test_events_are_frozen_keyword_only_values():
     assert hash(event) == hash(contract.Exited(host="h", rank=1, returncode=2))
     assert repr(event) == "Exited(host='h', rank=1, returncode=2)"
     with pytest.raises(AttributeError, match="frozen"):
-        event.rank = 5  # type: ignore[misc]
+        event.rank = 5
     with pytest.raises(TypeError, match="missing keyword argument 'returncode'"):
-        contract.Exited(rank=1)  # type: ignore[call-arg]
+        contract.Exited(rank=1)
     with pytest.raises(TypeError, match="unexpected keyword argument"):
-        contract.Exited(rank=1, returncode=0, extra=1)  # type: ignore[call-arg]
+        contract.Exited(rank=1, returncode=0, extra=1)
     with pytest.raises(TypeError):
-        contract.Exited("h", 1, 2)  # type: ignore[misc]
+        contract.Exited("h", 1, 2)
 
 
 def test_contract_does_not_import_dataclasses():

@@ -93,7 +93,7 @@ class PdshAgent(AgentHandle):
         while (line := q.get()) is not None:
             yield line
             message = contract.decode_line(line)
-            if isinstance(message, contract.Event) and message.kind == contract.EV_DONE:
+            if isinstance(message, contract.Done):
                 return
 
     def stop(self) -> None:

@@ -38,7 +38,12 @@ from ..ssh_config import (
 from .base import AgentHandle, Backend
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from ..options import LaunchOptions
+
+    Client = Any
+    """A ``paramiko.SSHClient`` (paramiko ships no type information)."""
 
 STDERR_TAIL = 20
 
@@ -63,7 +68,7 @@ class RemoteAgent(AgentHandle):
     is gone blocks inside paramiko, and must not block the coordinator.
     """
 
-    def __init__(self, node: NodePlan, client, python: str):
+    def __init__(self, node: NodePlan, client: Client, python: str):
         self.node = node
         self._transport = client.get_transport()
         self._chan = self._transport.open_session()
@@ -109,7 +114,8 @@ class RemoteAgent(AgentHandle):
     def wait(self, timeout: float) -> int | None:
         if not self._chan.status_event.wait(timeout):
             return None
-        return self._chan.recv_exit_status()
+        code: int = self._chan.recv_exit_status()
+        return code
 
     def kill(self) -> None:
         self._outbox.put("close")
@@ -132,8 +138,8 @@ class SSHBackend(Backend):
         self.python = remote_python or sys.executable
         self.connect_timeout = connect_timeout
         self._config_text = load_config_text(config_path)
-        self._clients: dict[str, object] = {}
-        self._extra: list[object] = []  # jump-host clients, closed last
+        self._clients: dict[str, Client] = {}
+        self._extra: list[Client] = []  # jump-host clients, closed last
 
     @classmethod
     def from_options(cls, options: LaunchOptions) -> SSHBackend:
@@ -163,7 +169,7 @@ class SSHBackend(Backend):
 
     def _connected(self, host: str) -> bool:
         client = self._clients.get(host)
-        transport = client.get_transport() if client is not None else None  # type: ignore[attr-defined]
+        transport = client.get_transport() if client is not None else None
         return transport is not None and transport.is_active()
 
     def start(self, node: NodePlan) -> AgentHandle:
@@ -174,20 +180,20 @@ class SSHBackend(Backend):
             with contextlib.suppress(Exception):
                 # close the socket first: Transport.close() joins a thread that may be
                 # stuck on a dead network
-                client.get_transport().sock.close()  # type: ignore[attr-defined]
+                client.get_transport().sock.close()
             with contextlib.suppress(Exception):
-                client.close()  # type: ignore[attr-defined]
+                client.close()
         self._clients.clear()
         self._extra.clear()
 
     # -- connecting --------------------------------------------------------------------------
-    def _try_connect(self, alias: str):
+    def _try_connect(self, alias: str) -> Client | HostError:
         try:
             return self._connect(self.target(alias), sock=None, jumps=None)
         except HostError as exc:
             return exc
 
-    def _connect(self, target: SSHTarget, sock, jumps: tuple[str, ...] | None):
+    def _connect(self, target: SSHTarget, sock: Any, jumps: tuple[str, ...] | None) -> Client:
         paramiko = import_paramiko()
         if jumps is None:
             jumps = target.proxy_jump
@@ -199,6 +205,17 @@ class SSHBackend(Backend):
             with contextlib.suppress(FileNotFoundError, OSError):
                 keys.load(path)
         client.set_missing_host_key_policy(_policy(target))
+        self._handshake(client, target, sock)
+        transport = client.get_transport()
+        transport.set_keepalive(5)
+        # small protocol messages (a ping, an exit event) must not wait for delayed ACKs
+        with contextlib.suppress(OSError, AttributeError):
+            transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return client
+
+    def _handshake(self, client: Client, target: SSHTarget, sock: Any) -> None:
+        """Connect and authenticate; every failure is a :class:`HostError` with its fix."""
+        paramiko = import_paramiko()
         reach = f"{target.hostname}:{target.port}"
         try:
             client.connect(
@@ -240,14 +257,8 @@ class SSHBackend(Backend):
         except paramiko.SSHException as exc:
             raise HostError(target.alias, f"ssh to {reach} failed: {exc}",
                             f"try `ssh -v {target.alias}`") from None
-        transport = client.get_transport()
-        transport.set_keepalive(5)
-        # small protocol messages (a ping, an exit event) must not wait for delayed ACKs
-        with contextlib.suppress(OSError, AttributeError):
-            transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return client
 
-    def _through_jumps(self, target: SSHTarget, jumps: tuple[str, ...]):
+    def _through_jumps(self, target: SSHTarget, jumps: tuple[str, ...]) -> Any:
         """A channel to ``target`` tunnelled through the jump hosts, in order."""
         sock = None
         hops = [*jumps]
@@ -278,15 +289,16 @@ class _UnknownHostKey(Exception):
     pass
 
 
-def _policy(target: SSHTarget):
-    paramiko = import_paramiko()
+def _policy(target: SSHTarget) -> Any:
+    """The paramiko host key policy for the target's ``StrictHostKeyChecking``."""
+    policy: Any = import_paramiko().MissingHostKeyPolicy
 
-    class Refuse(paramiko.MissingHostKeyPolicy):
-        def missing_host_key(self, client, hostname, key):
+    class Refuse(policy):
+        def missing_host_key(self, client: Client, hostname: str, key: Any) -> None:
             raise _UnknownHostKey(hostname)
 
-    class AcceptNew(paramiko.MissingHostKeyPolicy):
-        def missing_host_key(self, client, hostname, key):
+    class AcceptNew(policy):
+        def missing_host_key(self, client: Client, hostname: str, key: Any) -> None:
             client.get_host_keys().add(hostname, key.get_name(), key)
             if target.known_hosts_files:
                 path = Path(target.known_hosts_files[0])
@@ -294,8 +306,8 @@ def _policy(target: SSHTarget):
                 with open(path, "a") as known:
                     known.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
 
-    class AcceptAny(paramiko.MissingHostKeyPolicy):
-        def missing_host_key(self, client, hostname, key):
+    class AcceptAny(policy):
+        def missing_host_key(self, client: Client, hostname: str, key: Any) -> None:
             return None
 
     return {"yes": Refuse, "accept-new": AcceptNew, "no": AcceptAny}[

@@ -205,7 +205,7 @@ def probe_kernels() -> list[KernelInfo]:
     registry = getattr(kernels, "REGISTRY", None)
     if not registry:
         return []
-    return [KernelInfo(op.name, op.path.is_file(), *op.status())  # type: ignore[attr-defined]
+    return [KernelInfo(op.name, op.path.is_file(), *op.status())
             for op in registry]
 
 

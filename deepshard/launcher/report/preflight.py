@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Any
 
 from ..resources import Resources, interface_addresses, is_local, local_names
 
@@ -107,7 +108,8 @@ def _run_local(python: str, cwd: str, port: int) -> tuple[str, str, int]:
     return proc.stdout, proc.stderr, proc.returncode
 
 
-def _run_remote(client, python: str, cwd: str, port: int, timeout: float) -> tuple[str, str, int]:
+def _run_remote(client: Any, python: str, cwd: str, port: int,
+                timeout: float) -> tuple[str, str, int]:
     _, stdout, stderr = client.exec_command(shlex.join(_probe_command(python, cwd, port)),
                                             timeout=timeout)
     out, err = stdout.read().decode(), stderr.read().decode()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .collect import Report
 from .preflight import HostCheck
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def to_json(report: Report | None, checks: list[HostCheck] | None = None) -> str:
@@ -22,7 +25,7 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 1024**2:,.0f} MiB"
 
 
-def _console(stream: TextIO):
+def _console(stream: TextIO) -> Console:
     """A rich console; wide when not a terminal, so pasted reports keep one row a line."""
     from rich.console import Console
 
