@@ -19,7 +19,7 @@ _LAZY = {
     "initialize": "deepshard.runtime.api",
     "add_config_arguments": "deepshard.runtime.api",
     "DeepShardEngine": "deepshard.runtime.engine",
-    "get_fp32_state_dict": "deepshard.runtime.checkpoint",
+    "get_fp32_state_dict": "deepshard.runtime.checkpoint.consolidate",
 }
 # DeepSpeed's spellings of the same things
 _ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict"}

@@ -1,20 +1,22 @@
 """User-facing errors: one line, saying where, what, and the fix.
 
 Every mistake a user can make in a file, a flag or an environment variable is raised as a
-:class:`UsageError`; the CLI renders it as a single line on stderr and exits with code 2.
+:class:`UsageError`; the CLI renders it as a single line on stderr and exits with code 2,
+and so does a worker that leaves one uncaught (:func:`install_exit_hooks`).
 Internal invariants use ``assert``; user input never does.
 """
 
 from __future__ import annotations
 
-import functools
+import atexit
+import contextlib
+import os
 import sys
+import threading
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from types import TracebackType
 
 EXIT_USAGE = 2
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class UsageError(Exception):
@@ -39,16 +41,64 @@ class UsageError(Exception):
         return " ".join(text.split("\n"))
 
 
-def exit_on_usage_error(fn: Callable[P, R]) -> Callable[P, R]:
-    """For runtime entry points called from users' scripts: a :class:`UsageError` becomes
-    one line on stderr and exit code 2, like the CLI's, instead of a traceback."""
+def render(exc: UsageError) -> str:
+    """The one line a user sees for ``exc``."""
+    return f"deepshard: error: {exc}"
 
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except UsageError as exc:
-            print(f"deepshard: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_USAGE) from None
 
-    return wrapper
+def install_exit_hooks() -> None:
+    """Make an uncaught :class:`UsageError` one line on stderr and exit code 2.
+
+    Installed when a worker joins the job (``init_distributed``, ``initialize``), so that
+    library calls raise exceptions a script can catch, and a script that does not catch
+    them ends as the CLI does: ``deepshard: error: ...``, no traceback, exit code 2 (after
+    the interpreter's exit handlers, which settle the process groups). Errors raised
+    inside autograd hooks reach here as themselves. In another thread (``threading``'s
+    hook) the line is printed and the process ends at once with code 2: the job cannot go
+    on with a thread missing. Other exceptions keep the hooks that were there. Calling
+    this again changes nothing while the hook is still the outermost; torch's
+    ``init_process_group`` wraps it in its own, so call it again after that.
+    """
+    if isinstance(sys.excepthook, _ExitHook):
+        return
+    sys.excepthook = _ExitHook(sys.excepthook)
+    threading.excepthook = _ThreadExitHook(threading.excepthook)
+
+
+class _ExitHook:
+    """``sys.excepthook``: a :class:`UsageError` as one line and exit code 2."""
+
+    def __init__(self, previous: Callable[..., object]):
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], exc: BaseException,
+                 tb: TracebackType | None) -> None:
+        if not isinstance(exc, UsageError):
+            self.previous(kind, exc, tb)
+            return
+        print(render(exc), file=sys.stderr, flush=True)
+        atexit._run_exitfuncs()
+        _flush()
+        os._exit(EXIT_USAGE)
+
+
+class _ThreadExitHook:
+    """``threading.excepthook``: a :class:`UsageError` as one line, then the process ends
+    with exit code 2."""
+
+    def __init__(self, previous: Callable[..., object]):
+        self.previous = previous
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.exc_value, UsageError):
+            self.previous(args)
+            return
+        print(render(args.exc_value), file=sys.stderr, flush=True)
+        _flush()
+        os._exit(EXIT_USAGE)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..errors import UsageError, install_exit_hooks
 from ..hostlist import expand_hostlist
 from ..liveness import register_stack_dump
 from . import teardown
@@ -188,9 +188,11 @@ def init_distributed(
     On CUDA the current device is set to the local rank first. Calling it again, or in a
     process where torch.distributed is already initialised, returns without change. It
     also registers faulthandler on SIGUSR1, with which ds-run's agent has a hung worker
-    print its stacks.
+    print its stacks, and installs :func:`deepshard.errors.install_exit_hooks`: an
+    uncaught ``UsageError`` is then one line and exit code 2.
     """
     del config  # see the docstring
+    install_exit_hooks()
     import torch
     import torch.distributed as dist
 
@@ -210,6 +212,7 @@ def init_distributed(
             overrides["master_port"] = distributed_port
         dist_env = _checked(dataclasses.replace(dist_env, **overrides))
     if dist_init_required is False or (dist.is_available() and dist.is_initialized()):
+        install_exit_hooks()
         return dist_env
     export_contract(dist_env, os.environ)
     cuda = torch.cuda.is_available()
@@ -224,4 +227,5 @@ def init_distributed(
     dist.init_process_group(backend=backend, init_method=init_method or "env://",
                             rank=dist_env.rank, world_size=dist_env.world_size, **kwargs)
     teardown.register()
+    install_exit_hooks()  # again: torch's group wraps the hook in its own (rank prefixes)
     return dist_env

@@ -254,3 +254,16 @@ def build_loss_scaler(fp16_section: object) -> StaticLossScaler | DynamicLossSca
         delayed_shift=hysteresis,
         consecutive_hysteresis=bool(_field(fp16_section, "consecutive_hysteresis")),
     )
+
+
+def backward_factor(accumulation: int, world: int, scaler) -> float:
+    """What a micro-batch's loss is multiplied by before backward: ``1 / (accumulation ×
+    data-parallel world)`` (the reduced gradient sum is then the mean, with no division
+    pass) times the fp16 loss scale when there is a ``scaler``."""
+    factor = 1.0 / (accumulation * world)
+    return factor * scaler.loss_scale if scaler is not None else factor
+
+
+def inverse_scale(scaler) -> float:
+    """The factor that undoes ``scaler``'s loss scale on the gradients (1 without one)."""
+    return 1.0 / scaler.loss_scale if scaler is not None else 1.0

@@ -9,7 +9,12 @@ warning. Nothing here imports torch.
 """
 
 from deepshard.runtime.config.dialect import read_config_source
-from deepshard.runtime.config.resolve import LoadedConfig, load_config
+from deepshard.runtime.config.resolve import (
+    LoadedConfig,
+    load_config,
+    parse_config,
+    with_batch_triad,
+)
 from deepshard.runtime.config.schema import (
     ActivationCheckpointingConfig,
     BF16Config,
@@ -62,5 +67,7 @@ __all__ = [
     "WarmupLRParams",
     "ZeroConfig",
     "load_config",
+    "parse_config",
     "read_config_source",
+    "with_batch_triad",
 ]

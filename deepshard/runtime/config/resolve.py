@@ -16,6 +16,7 @@ that shows the arithmetic.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ class LoadedConfig:
     """A validated config and what the caller should tell the user about it."""
 
     config: DeepShardConfig
-    """The config, with the batch triad resolved to three ints."""
+    """The config; from :func:`load_config`, with the batch triad resolved to three ints
+    (:func:`parse_config` leaves it as written)."""
     unimplemented: tuple[str, ...]
     """Dotted paths of keys DeepSpeed knows that deepshard ignores (log one warning)."""
     origin: str
@@ -57,7 +59,8 @@ class LoadedConfig:
 
 def load_config(source: object, *, world_size: int, model: Any = None,
                 auto_values: Mapping[str, object] | None = None) -> LoadedConfig:
-    """Read, resolve and validate a DeepSpeed-style config.
+    """Read, resolve and validate a DeepSpeed-style config: :func:`parse_config`, then
+    :func:`with_batch_triad` for ``world_size``.
 
     Args:
         source: a dict, or a path to a JSON (DeepSpeed's dialect: comments allowed) or YAML
@@ -72,8 +75,16 @@ def load_config(source: object, *, world_size: int, model: Any = None,
         UsageError: unreadable or invalid config, "auto" values left unresolved (all named
             in one error), or a batch triad inconsistent with ``world_size``.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return with_batch_triad(parse_config(source, model=model, auto_values=auto_values),
+                            world_size)
+
+
+def parse_config(source: object, *, model: Any = None,
+                 auto_values: Mapping[str, object] | None = None) -> LoadedConfig:
+    """Read, resolve "auto" values and validate a config, leaving the batch triad as
+    written: what a caller needs to learn the layout (pipeline stages, tensor-parallel
+    size) and so the data-parallel size the triad is checked against. Arguments and
+    errors as :func:`load_config`'s."""
     data, origin = read_config_source(source)
     substitute_auto_values(data, auto_values or {})
     resolve_model_sized(data, model_hidden_size(model))
@@ -84,7 +95,16 @@ def load_config(source: object, *, world_size: int, model: Any = None,
                          hint="write concrete values there, or pass them as "
                               "load_config(auto_values={'<key.path>': value, ...})")
     config, unimplemented = validate_config(data, origin=origin)
-    return LoadedConfig(resolve_batch_triad(config, world_size, origin), unimplemented, origin)
+    return LoadedConfig(config, unimplemented, origin)
+
+
+def with_batch_triad(loaded: LoadedConfig, world_size: int) -> LoadedConfig:
+    """``loaded`` with its batch triad resolved against the data-parallel ``world_size``
+    (see :func:`resolve_batch_triad`)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return dataclasses.replace(
+        loaded, config=resolve_batch_triad(loaded.config, world_size, loaded.origin))
 
 
 def substitute_auto_values(data: dict[str, Any], auto_values: Mapping[str, object]) -> None:

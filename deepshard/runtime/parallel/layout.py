@@ -1,15 +1,15 @@
 """The job's (pipe, data, tensor) layout, from the config and the model: the process
 groups, AutoTP, tied pipeline weights, and which engine drives the model.
 
-``deepshard.initialize`` asks :meth:`Layout.create` first (before the config's batch
-triad is checked, since the data-parallel size depends on the layout); ``None`` means
-plain data parallelism.
+``deepshard.initialize`` asks :meth:`Layout.create` with the validated config before the
+batch triad is resolved, since the data-parallel size depends on the layout; ``None``
+means plain data parallelism.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +24,23 @@ from .topology import ProcessGroups, Topology
 logger = logging.getLogger("deepshard")
 
 
-def _warn_if_ignored(pipe: Mapping[str, Any], model: PipelineModule, origin: str) -> None:
+def _warn_if_ignored(pipe, model: PipelineModule, origin: str) -> None:
     """The module is built before initialize sees the config: say when the config asks
     for another partition or checkpoint interval than the module was built with."""
     said = {"partition_method": model.partition_method,
             "activation_checkpoint_interval": model.activation_checkpoint_interval}
-    differ = [f"pipeline.{k} = {pipe[k]!r} (the module has {v!r})" for k, v in said.items()
-              if k in pipe and pipe[k] != v]
+    differ = [f"pipeline.{k} = {getattr(pipe, k)!r} (the module has {v!r})"
+              for k, v in said.items() if k in pipe.model_fields_set and getattr(pipe, k) != v]
     if differ and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning("%s: %s: the PipelineModule was built before initialize read the "
                        "config; pass these to PipelineModule(...) instead", origin,
                        "; ".join(differ))
+
+
+def pipeline_stages(model) -> int:
+    """What ``pipeline.stages: "auto"`` means for ``model``: a ``PipelineModule``'s own
+    stage count, else 1."""
+    return model.num_stages if isinstance(model, PipelineModule) else 1
 
 
 @dataclass
@@ -48,29 +54,24 @@ class Layout:
     origin: str
 
     @classmethod
-    def create(cls, data: Mapping[str, Any], origin: str, model, mpu) -> Layout | None:
-        """The layout ``data`` (the raw config) asks for; a ``PipelineModule`` brings its
-        own stage count. ``None`` when neither asks for model parallelism."""
-        pipe = data.get("pipeline") or {}
-        stages = pipe.get("stages", "auto") if isinstance(pipe, Mapping) else "auto"
-        tp_section = data.get("tensor_parallel") or {}
-        tp = tp_section.get("autotp_size", 1) if isinstance(tp_section, Mapping) else 1
-        tp = tp if isinstance(tp, int) and tp > 0 else 1
+    def create(cls, cfg, origin: str, model, mpu) -> Layout | None:
+        """The layout the validated config ``cfg`` asks for (its ``pipeline.stages``
+        resolved with :func:`pipeline_stages`); a ``PipelineModule`` brings its own stage
+        count. ``None`` when neither asks for model parallelism."""
+        stages, tp = cfg.pipeline.stages, cfg.tensor_parallel.autotp_size
         is_pipe = isinstance(model, PipelineModule)
         if is_pipe:
-            if isinstance(stages, int) and stages != model.num_stages:
+            if "stages" in cfg.pipeline.model_fields_set and stages != model.num_stages:
                 raise UsageError(f"pipeline.stages is {stages} but the PipelineModule has "
                                  f"{model.num_stages} stages", where=f"{origin}: "
                                  "pipeline.stages", hint="make them agree (or write 'auto')")
             stages = model.num_stages
-            _warn_if_ignored(pipe, model, origin)
-        elif isinstance(stages, int) and stages > 1:
+            _warn_if_ignored(cfg.pipeline, model, origin)
+        elif stages > 1:
             raise UsageError(f"pipeline.stages is {stages} but the model is a plain "
                              f"{type(model).__name__}", where=f"{origin}: pipeline.stages",
                              hint="build the model as deepshard.pipe.PipelineModule(layers, "
                                   "num_stages=...) or set pipeline.stages to 1")
-        else:
-            stages = 1
         if stages == 1 and tp == 1 and not is_pipe:
             return None
         if mpu is not None:

@@ -19,13 +19,15 @@ no gradient, no step, no counter moves, so training continues exactly as without
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError, exit_on_usage_error
+from ...errors import UsageError
 from ...liveness import heartbeat
 from ..engine import DeepShardEngine, EngineParts
+from ..loss_scaler import backward_factor
 from . import schedule as S
 from .pipe_module import PipelineModule
 from .tied import TiedWeightGroups
@@ -34,6 +36,23 @@ from .topology import ProcessGroups
 HEADER = 8  # ndim, dtype code, up to six dims
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
           torch.int32)
+
+
+@dataclass
+class _Batch:
+    """One ``train_batch``'s micro-batches in flight and its timings."""
+
+    started: float
+    factor: float  # the loss multiplier before backward
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    labels: dict[int, torch.Tensor] = field(default_factory=dict)
+    grad_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    grad_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    pipe_s: float = 0.0
 
 
 class PipelineEngine(DeepShardEngine):
@@ -66,7 +85,6 @@ class PipelineEngine(DeepShardEngine):
                          where="engine(...)", hint="call engine.train_batch(iter(loader)), "
                                                    "or engine.eval_batch(iter(loader))")
 
-    @exit_on_usage_error
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches drawn
         from ``data_iter`` (``(inputs, labels)`` each; the first stage reads inputs, the
@@ -80,74 +98,74 @@ class PipelineEngine(DeepShardEngine):
             raise UsageError("the PipelineModule has no loss_fn", where="PipelineModule",
                              hint="build it with loss_fn=<function(outputs, labels)>")
         m = self._config.gradient_accumulation_steps
-        started = time.perf_counter()
-        fwd = bwd = 0.0
-        pipe_s = None
-        inputs, outputs, labels = {}, {}, {}
-        losses = []
-        grad_in: dict[int, torch.Tensor] = {}
-        grad_out: dict[int, torch.Tensor] = {}
+        b = _Batch(time.perf_counter(), backward_factor(m, self.dp_world_size,
+                                                        self.loss_scaler))
         prev, nxt = self.grid.prev_stage_rank, self.grid.next_stage_rank
-        factor = 1.0 / (m * self.dp_world_size)
-        if self.loss_scaler is not None:
-            factor *= self.loss_scaler.loss_scale
-        grads = self._parts.zero.grads if self._parts.zero is not None else self._parts.buckets
         for action in S.one_f_one_b(self.num_stages, self.stage_id, m):
             mb = getattr(action, "mb", None)
             if isinstance(action, S.LoadMicroBatch):
-                self._load(data_iter, mb, inputs, labels)
+                self._load(data_iter, mb, b.inputs, b.labels)
             elif isinstance(action, S.RecvActivation):
-                inputs[mb] = _recv(prev, self.device).requires_grad_()
+                b.inputs[mb] = _recv(prev, self.device).requires_grad_()
             elif isinstance(action, S.Forward):
-                t0 = time.perf_counter()
-                out = module(inputs[mb])
-                if self.is_last_stage():
-                    loss = module.loss_fn(out, labels.pop(mb))
-                    losses.append(loss.detach().float())
-                    out = loss.float() * factor
-                outputs[mb] = out
-                fwd += time.perf_counter() - t0
+                self._train_forward(b, mb)
             elif isinstance(action, S.SendActivation):
-                self._send_activation(outputs[mb], nxt)
+                self._send_activation(b.outputs[mb], nxt)
             elif isinstance(action, S.RecvGrad):
-                grad_out[mb] = _recv(nxt, self.device)
+                b.grad_out[mb] = _recv(nxt, self.device)
             elif isinstance(action, S.Backward):
-                t0 = time.perf_counter()
-                grads.begin_backward(False)
-                try:
-                    out = outputs.pop(mb)
-                    torch.autograd.backward(out, None if self.is_last_stage()
-                                            else grad_out.pop(mb))
-                finally:
-                    grads.end_backward()
-                x = inputs.pop(mb)
-                if x.requires_grad and not self.is_first_stage():
-                    grad_in[mb] = x.grad
-                bwd += time.perf_counter() - t0
+                self._train_backward(b, mb)
             elif isinstance(action, S.SendGrad):
-                _send(grad_in.pop(mb), prev)
+                _send(b.grad_in.pop(mb), prev)
             elif isinstance(action, S.ReduceTiedGrads):
-                pipe_s = time.perf_counter() - started
+                b.pipe_s = time.perf_counter() - b.started
                 self._tied.all_reduce_grads(module)
             elif isinstance(action, S.ReduceGrads):
-                grads.reduce_all()
+                self.strategy.reduce_now()
             elif isinstance(action, S.OptimizerStep):
                 self.counters.micro_steps += m - 1
                 self.step()
+        mean = self._batch_mean(b.losses)
+        self.last_batch_timing = {
+            "total_s": time.perf_counter() - b.started, "pipe_s": b.pipe_s,
+            "busy_s": b.forward_s + b.backward_s, "forward_s": b.forward_s,
+            "backward_s": b.backward_s}
+        heartbeat(self.counters.global_steps)
+        return mean
+
+    def _train_forward(self, b: _Batch, mb: int) -> None:
+        t0 = time.perf_counter()
+        module: PipelineModule = self.module
+        out = module(b.inputs[mb])
+        if self.is_last_stage():
+            loss = module.loss_fn(out, b.labels.pop(mb))
+            b.losses.append(loss.detach().float())
+            out = loss.float() * b.factor
+        b.outputs[mb] = out
+        b.forward_s += time.perf_counter() - t0
+
+    def _train_backward(self, b: _Batch, mb: int) -> None:
+        t0 = time.perf_counter()
+        out = b.outputs.pop(mb)
+        grad = None if self.is_last_stage() else b.grad_out.pop(mb)
+        self.run_backward(lambda: torch.autograd.backward(out, grad), boundary=False)
+        x = b.inputs.pop(mb)
+        if x.requires_grad and not self.is_first_stage():
+            b.grad_in[mb] = x.grad
+        b.backward_s += time.perf_counter() - t0
+
+    def _batch_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean loss over the whole batch (all replicas), on every stage, as DeepSpeed
+        returns it."""
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        if self.is_last_stage() and self.dp_world_size > 1:  # the batch's mean, as DeepSpeed
-            dist.all_reduce(mean, group=self._parts.group)
+        if self.is_last_stage() and self.dp_world_size > 1:
+            dist.all_reduce(mean, group=self.strategy.group)
             mean /= self.dp_world_size
         if self.num_stages > 1:
             src = self.grid.topology.stage_rank(dist.get_rank(), self.num_stages - 1)
             dist.broadcast(mean, src=src, group=self.grid.pipe_group)
-        self.last_batch_timing = {
-            "total_s": time.perf_counter() - started, "pipe_s": pipe_s or 0.0,
-            "busy_s": fwd + bwd, "forward_s": fwd, "backward_s": bwd}
-        heartbeat(self.counters.global_steps)
         return mean
 
-    @exit_on_usage_error
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True,
                    num_micro_batches: int | None = None):
@@ -242,7 +260,7 @@ class PipelineEngine(DeepShardEngine):
         """The mean over micro-batches, then over the data-parallel replicas."""
         mean = torch.stack(values).mean(0)
         if self.dp_world_size > 1:
-            dist.all_reduce(mean, group=self._parts.group)
+            dist.all_reduce(mean, group=self.strategy.group)
             mean /= self.dp_world_size
         return mean
 

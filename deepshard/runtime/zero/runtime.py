@@ -1,34 +1,43 @@
-"""One ZeRO rank's machinery, assembled: flat groups, the stage's gradient reduction,
-stage 3's parameter coordinator and the shard stepper; what the engine calls.
+"""ZeRO stages 1-3 as a data-parallel strategy: flat groups, the stage's gradient
+reduction, stage 3's parameter coordinator and the shard stepper.
 
 :func:`build_zero` plans and builds it (``deepshard.initialize`` calls it for stages 1-3);
-:class:`ZeroRuntime` exposes the handful of operations the engine sequences.
+:class:`ZeroStrategy` implements :class:`~deepshard.runtime.strategy.DataParallelStrategy`
+over them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
+from ..checkpoint import zero_shards
+from ..checkpoint.by_name import merge_groups
+from ..strategy.base import DataParallelStrategy
 from .flat import FlatGroup
 from .init import materialize
 from .optimizer import OffloadSpec, ShardStepper
-from .partition import layout, plan_groups
+from .partition import layout, pieces, plan_groups
 from .stage1 import Stage1Grads
 from .stage2 import Stage2Grads
 from .stage3 import ParamCoordinator, Unit, plan_units
 from .swap import TensorSwapper
 
 
-@dataclass
-class ZeroRuntime:
+@dataclass(eq=False)
+class ZeroStrategy(DataParallelStrategy):
     """What the engine drives at ZeRO stages 1-3."""
 
     stage: int
+    params: tuple[torch.nn.Parameter, ...]
+    names: tuple[str, ...]
+    group: dist.ProcessGroup | None
+    world: int
     groups: list[FlatGroup]
     grads: Stage1Grads | Stage2Grads
     stepper: ShardStepper
@@ -37,6 +46,11 @@ class ZeroRuntime:
     frozen_bytes: int
     param_swapper: TensorSwapper | None = None
 
+    @property
+    def partitions_params(self) -> bool:
+        return self.stage == 3
+
+    # -- backward ---------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self.grads.begin_backward(boundary)
 
@@ -59,15 +73,41 @@ class ZeroRuntime:
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
-    def zero(self) -> None:
+    def reduce_now(self) -> None:
+        self.grads.reduce_all()
+
+    # -- the step ---------------------------------------------------------------------
+    def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        return self.stepper.load_grads(self.grads.shard_grads(), inv_scale)
+
+    def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.stepper.step(optimizer)
+        self.stepper.update_model()
+
+    def zero_grad(self) -> None:
         self.grads.zero()
+
+    def excluded_grads(self, grads: Sequence[torch.Tensor],
+                       excluded: frozenset[int]) -> list[torch.Tensor]:
+        out = []
+        for k, g in enumerate(self.groups):
+            for pc in pieces(g.flat, g.spec, g.rank):
+                if id(self.params[pc.param]) in excluded:
+                    out.append(grads[k][pc.shard_start:pc.shard_start + pc.length])
+        return out
+
+    def sum_over_data_parallel_(self, square_norm: torch.Tensor) -> None:
+        if self.world > 1:
+            dist.all_reduce(square_norm, group=self.group)
 
     def step_tensors(self, opt_group: int) -> list[torch.Tensor]:
         """What the optimizer steps for one of its param groups."""
         return [self.stepper.step_tensors[k] for k in self.opt_groups[opt_group]]
 
-    def state_bytes(self, optimizer) -> dict[str, int]:
+    # -- accounting and lifetime -------------------------------------------------------
+    def state_bytes(self, module, optimizer) -> dict[str, int]:
         """Bytes this rank holds between steps (see ``engine.state_bytes``)."""
+        del module
         params = self.frozen_bytes + sum(g.nbytes_params() for g in self.groups)
         held = self.stepper.nbytes(optimizer)
         nvme = held["nvme"] + sum(g.nbytes_nvme() for g in self.groups)
@@ -82,11 +122,57 @@ class ZeroRuntime:
         if self.param_swapper is not None:
             self.param_swapper.close()
 
+    # -- checkpoints ------------------------------------------------------------------
+    @property
+    def master_dtype(self) -> str | None:
+        return "torch.float32" if any(self.stepper.separate) else None
+
+    @contextlib.contextmanager
+    def materialized(self, optimizer) -> Iterator[None]:
+        self.stepper.swap_in_all(optimizer)
+        try:
+            yield
+        finally:
+            self.stepper.swap_out_all(optimizer)
+
+    def owned_names(self, module: torch.nn.Module) -> set[str]:
+        return zero_shards.owned_names(self, module)
+
+    def masters_by_name(self, module: torch.nn.Module) -> None:
+        return None  # in the rank files, with the shards
+
+    def optimizer_state(self, optimizer) -> dict | None:
+        if optimizer is None:
+            return None
+        return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
+
+    def optimizer_names(self, optimizer) -> None:
+        return None
+
+    def rank_payload(self, optimizer) -> list[dict]:
+        return zero_shards.shard_payload(self, optimizer)
+
+    def needed(self) -> zero_shards.Needed:
+        return zero_shards.needed(self)
+
+    def restore(self, optimizer, by_name, load_optimizer: bool,
+                saved_groups: list[dict]) -> set[str]:
+        missing = set(zero_shards.load_into_zero(self, optimizer, by_name, load_optimizer))
+        if load_optimizer and optimizer is not None:
+            for g, saved in zip(optimizer.param_groups,
+                                merge_groups(optimizer.param_groups, saved_groups),
+                                strict=True):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        return missing
+
+    def gather_groups(self) -> list[list[torch.nn.Parameter]]:
+        return [g.params for g in self.groups if g.partitioned] if self.stage == 3 else []
+
 
 def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
                params: Sequence[torch.nn.Parameter], opt_members: Sequence[Sequence[int]],
                pg: dist.ProcessGroup | None, world: int, rank: int,
-               comm_dtype: torch.dtype | None) -> ZeroRuntime:
+               comm_dtype: torch.dtype | None) -> ZeroStrategy:
     """Shard ``params`` (trainable, registration order; ``opt_members`` lists the indices
     of each optimizer param group) the way ``cfg.zero_optimization`` asks."""
     z = cfg.zero_optimization
@@ -140,5 +226,5 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     trainable = {id(p) for p in params}
     frozen = sum(p.numel() * p.element_size() for p in module.parameters()
                  if id(p) not in trainable)
-    return ZeroRuntime(stage, groups, grads, stepper, coordinator, opt_groups, frozen,
-                       param_swapper)
+    return ZeroStrategy(stage, tuple(params), tuple(names), pg, world, groups, grads,
+                        stepper, coordinator, opt_groups, frozen, param_swapper)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import importlib
 import json
 import os
 import sys
@@ -108,6 +109,8 @@ def _deepshard_objects() -> collections.Counter:
 
 def release(config_path: str) -> None:
     deepshard.init_distributed(verbose=False)
+    importlib.import_module("deepshard.runtime.api")  # module-level objects (kernel registry)
+
     before = _deepshard_objects()
     rounds = []
     for _ in range(2):

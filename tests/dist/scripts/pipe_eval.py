@@ -32,6 +32,7 @@ from gpt import GPTConfig, rank_indices, sample_batch, stdlib_corpus  # noqa: E4
 from gpt_pipe import pipe_gpt  # noqa: E402
 
 import deepshard  # noqa: E402
+from deepshard.errors import UsageError, render  # noqa: E402
 from deepshard.runtime.parallel.topology import Topology  # noqa: E402
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
@@ -78,11 +79,12 @@ def train(engine, corpus, with_eval: bool) -> dict:
             "state": state}
 
 
-def exit_code(call) -> int | None:
+def usage_error(call) -> str | None:
+    """The one line of the UsageError ``call`` raises, or None."""
     try:
         call()
-    except SystemExit as exc:
-        return exc.code
+    except UsageError as exc:
+        return render(exc)
     return None
 
 
@@ -117,8 +119,8 @@ def options(engine, corpus) -> dict:
         engine.eval_batch(broken())
     except RuntimeError as exc:
         found["raised"] = (str(exc), engine.module.training)
-    found["bad_reduce"] = exit_code(lambda: engine.eval_batch(held_out(), reduce_output="sum"))
-    found["bad_count"] = exit_code(lambda: engine.eval_batch(held_out(), num_micro_batches=0))
+    found["bad_reduce"] = usage_error(lambda: engine.eval_batch(held_out(), reduce_output="sum"))
+    found["bad_count"] = usage_error(lambda: engine.eval_batch(held_out(), num_micro_batches=0))
     found["after_errors"] = engine.module.training
     return found
 

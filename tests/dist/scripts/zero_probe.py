@@ -125,7 +125,7 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
                                exclude_frozen_parameters="--exclude-frozen" in flags)
     if "save16" in options:
         engine.save_16bit_model(options["save16"], exclude_frozen_parameters=True)
-    zero = engine._parts.zero
+    zero = engine.strategy if engine.strategy.stage else None
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     print("RESULT " + json.dumps({
         "rank": rank, "world": world, "losses": losses, "checksum": _checksum(engine),

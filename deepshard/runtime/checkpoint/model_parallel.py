@@ -16,32 +16,15 @@ from pathlib import Path
 import torch
 
 from ...errors import UsageError
-from .. import checkpoint as ckpt
-from ..zero import checkpoint as zsave
-from .topology import Topology
-from .tp_shards import ShardSpec, tp_merge_state_dicts
+from ..parallel.topology import Topology
+from ..parallel.tp_shards import ShardSpec, tp_merge_state_dicts
+from . import format as fmt
+from .by_name import ByName, in_order, read_by_name
 
 
 def layout_of(topology: Topology) -> dict[str, int]:
     """The manifest's record of a layout."""
     return {"pipe": topology.pipe, "data": topology.data, "tensor": topology.tensor}
-
-
-def own_payload(engine, exclude_frozen: bool = False) -> dict:
-    """What a model-parallel rank writes about its own part of the model (without the
-    parameters that do not require grad, with ``exclude_frozen``)."""
-    from .tensor import tp_layout
-
-    parts = engine._parts
-    return {
-        "module": engine._module_state(exclude_frozen),
-        "fp32_masters": engine._masters_by_name() if parts.masters is not None else None,
-        "optimizer": engine.optimizer.state_dict()
-        if engine.optimizer is not None and parts.zero is None else None,
-        "optimizer_names": engine._optimizer_names() if parts.zero is None else None,
-        "aliases": zsave.aliases(engine.module),
-        "tp_layout": {n: (s.dim, s.sections) for n, s in tp_layout(engine.module).items()},
-    }
 
 
 def coordinate_ranks(layout: dict, pipe: int, tensor: int) -> list[int]:
@@ -50,16 +33,16 @@ def coordinate_ranks(layout: dict, pipe: int, tensor: int) -> list[int]:
     return [topo.rank(pipe, d, tensor) for d in range(topo.data)]
 
 
-def by_name(tag_dir: Path, manifest: ckpt.Manifest, pipe: int,
-            tensor: int) -> tuple[zsave.ByName, dict]:
+def by_name(tag_dir: Path, manifest: fmt.Manifest, pipe: int,
+            tensor: int, need=None) -> tuple[ByName, dict]:
     """One (pipe, tensor) coordinate's model and optimizer state by name, and its payload."""
     ranks = coordinate_ranks(manifest.layout, pipe, tensor)
-    own = ckpt.load_file(tag_dir, ckpt.rank_file(ranks[0]))["mp"]
+    own = fmt.load_file(tag_dir, fmt.rank_file(ranks[0]))["mp"]
     local = replace(manifest, world_size=len(ranks))
-    return zsave.read_by_name(tag_dir, local, own, ranks), own
+    return read_by_name(tag_dir, local, own, ranks, need), own
 
 
-def check_same_layout(manifest: ckpt.Manifest, topology: Topology | None,
+def check_same_layout(manifest: fmt.Manifest, topology: Topology | None,
                       path: Path) -> None:
     """A model-parallel checkpoint resumes only at the layout that wrote it."""
     here = layout_of(topology) if topology is not None else None
@@ -71,7 +54,7 @@ def check_same_layout(manifest: ckpt.Manifest, topology: Topology | None,
                               "deepshard.get_fp32_state_dict() and load that into the model")
 
 
-def consolidate(tag_dir: Path, manifest: ckpt.Manifest) -> dict[str, torch.Tensor]:
+def consolidate(tag_dir: Path, manifest: fmt.Manifest) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a model-parallel checkpoint."""
     layout = manifest.layout
     full: dict[str, torch.Tensor] = {}
@@ -79,7 +62,7 @@ def consolidate(tag_dir: Path, manifest: ckpt.Manifest) -> dict[str, torch.Tenso
         slices, spec_map = [], {}
         for tensor in range(layout["tensor"]):
             names, own = by_name(tag_dir, manifest, pipe, tensor)
-            slices.append(names.values)
+            slices.append(in_order(names.values, own.get("state_names") or ()))
             spec_map = {n: ShardSpec(dim, tuple(sections))
                         for n, (dim, sections) in own["tp_layout"].items()}
         full.update(tp_merge_state_dicts(slices, spec_map) if len(slices) > 1 else slices[0])

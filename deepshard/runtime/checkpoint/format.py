@@ -7,7 +7,7 @@ Layout of ``<save_dir>``::
     <tag>/model_states.pt       what every rank shares (stage 0: module, fp32 masters,
                                 optimizer, scheduler, loss scaler, counters, client_state)
     <tag>/rank_00000.pt ...     what each rank alone holds (RNG states; ZeRO: its shards,
-                                see ``zero/checkpoint.py``)
+                                see ``zero_shards.py``)
 
 Saving writes everything into ``.<tag>.partial``, then the manifest, fsyncs, and renames the
 directory to ``<tag>``; only then is ``latest`` replaced. A process killed at any point
@@ -17,6 +17,7 @@ never loaded. The save directory must be shared by all ranks (as with DeepSpeed)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UsageError, exit_on_usage_error
+from ...errors import UsageError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -71,10 +72,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _save_file(obj: object, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as exc:  # torch's writer reports the OSError it met as this
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from exc
 
 
 def check_tag(tag: object) -> str:
@@ -87,29 +94,81 @@ def check_tag(tag: object) -> str:
     return text
 
 
+Agree = Callable[[str | None], str | None]
+"""Collective: every rank passes its failure (or ``None``) and gets the first rank's
+failure back, or ``None`` when every rank succeeded; it doubles as a barrier."""
+
+
 def save(save_dir: str | os.PathLike, manifest: Manifest, *, rank: int,
          shared: Mapping[str, object] | None, own: Mapping[str, object],
-         barrier: Callable[[], None], save_latest: bool = True) -> Path:
+         agree: Agree, save_latest: bool = True) -> Path:
     """Write one checkpoint collectively; every rank calls this, rank 0 commits it.
 
     ``shared`` is written by rank 0 only; ``own`` by every rank. ``latest`` is pointed at
     the new tag unless ``save_latest`` is false. Returns the tag directory.
+
+    Raises:
+        UsageError: on every rank, when any rank could not write (a full disk, no
+            permission, a read-only file system): one line naming the path and the cause.
+            The partial directory is removed; the previous checkpoint stays loadable.
     """
     root = Path(save_dir)
     final, partial = root / manifest.tag, root / f".{manifest.tag}.partial"
-    if rank == 0:
+
+    def start() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-    barrier()
-    _save_file(dict(own), partial / rank_file(rank))
-    if rank == 0 and shared is not None:
-        _save_file(dict(shared), partial / SHARED_FILE)
-    barrier()
-    if rank == 0:
-        _commit(root, final, partial, manifest, save_latest)
-    barrier()
+
+    def write() -> None:
+        _save_file(dict(own), partial / rank_file(rank))
+        if rank == 0 and shared is not None:
+            _save_file(dict(shared), partial / SHARED_FILE)
+
+    _step(agree, start if rank == 0 else None, root, partial, rank)
+    _step(agree, write, partial, partial, rank)
+    _step(agree, (lambda: _commit(root, final, partial, manifest, save_latest))
+          if rank == 0 else None, final, partial, rank)
     return final
+
+
+def _step(agree: Agree, action: Callable[[], None] | None, where: Path, partial: Path,
+          rank: int) -> None:
+    """Run ``action`` (when this rank has one), then agree with every rank on whether all
+    succeeded; on a failure anywhere, clean up and raise the same one-line error."""
+    failure = None
+    if action is not None:
+        try:
+            action()
+        except (OSError, RuntimeError) as exc:
+            failure = _os_failure(exc, where)
+            if failure is None:
+                raise
+    failure = agree(failure)
+    if failure is None:
+        return
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (partial.parent / f".{LATEST}.tmp").unlink(missing_ok=True)
+    raise UsageError(failure, hint="free space on that file system or pass a writable "
+                                   "save_dir; the previous checkpoint is intact")
+
+
+def _os_failure(exc: BaseException, where: Path) -> str | None:
+    """``exc``'s operating-system cause as one line, or ``None`` when it has none."""
+    seen = _os_error(exc)
+    if seen is None:
+        return None
+    path = seen.filename or where
+    return f"{path}: cannot write the checkpoint: {seen.strerror or seen}"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
 
 
 def _commit(root: Path, final: Path, partial: Path, manifest: Manifest,
@@ -234,32 +293,3 @@ def set_rng_states(states: Mapping[str, object]) -> None:
 def now() -> float:
     """Wall-clock time for the manifest."""
     return time.time()
-
-
-@exit_on_usage_error
-def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
-                        tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The full model state dict in fp32 from a checkpoint, whatever precision it trained in.
-
-    Floating tensors come from the fp32 master weights when the job kept them, else from the
-    module's own values cast to fp32; other tensors (e.g. integer buffers) are unchanged.
-    ZeRO checkpoints (any stage) are consolidated from every rank's shards.
-    """
-    manifest = resolve_tag(checkpoint_dir, tag)
-    if manifest is None:
-        raise UsageError("no complete checkpoint", where=str(checkpoint_dir),
-                         hint="pass the directory given to engine.save_checkpoint()")
-    tag_dir = Path(checkpoint_dir) / manifest.tag
-    shared = load_file(tag_dir, SHARED_FILE)
-    if manifest.layout:
-        from .parallel.checkpoint import consolidate
-
-        values = consolidate(tag_dir, manifest)
-    elif manifest.zero_stage == 0:
-        values = full_precision(shared)
-    else:
-        from .zero.checkpoint import read_by_name
-
-        values = read_by_name(tag_dir, manifest, shared).values
-    return {name: value.float() if torch.is_floating_point(value) else value
-            for name, value in values.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepshard.runtime import checkpoint as ckpt
-from deepshard.runtime.zero import checkpoint as zsave
+from deepshard.runtime.checkpoint import by_name as zsave
 
 # one flat group of three parameters (a: 3, b: 4, c: 2 elements, offsets 0, 3, 7) cut
 # into two shards of 5: rank 0 holds a and b[:2], rank 1 b[2:], c and one pad element

@@ -1,0 +1,66 @@
+"""Model preparation for ``initialize``: device and training dtype, ``zero.Init``
+parameters made whole where the job needs them whole, the model-parallel layout applied
+(AutoTP, tied weights), and every data-parallel rank started from rank 0's weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def training_device() -> torch.device:
+    """This worker's device: its local rank's GPU, else the CPU."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, rank: int,
+                  device: torch.device) -> tuple[torch.nn.Module, frozenset[int]]:
+    """The module placed, cast and made identical across data-parallel ranks, and the
+    ids of parameters the gradient norm leaves out on this rank (replicas counted on
+    another model-parallel rank)."""
+    module = place(model, cfg, device)
+    if cfg.zero_optimization.stage < 3 or (layout is not None and layout.topology.tensor > 1):
+        from ..zero.init import materialize
+
+        # built under zero.Init: whole again below stage 3, and for AutoTP to cut it
+        materialize(module)
+    excluded: frozenset[int] = frozenset()
+    if layout is not None:
+        excluded = layout.prepare(module, broadcast_from_rank0, rank)
+    broadcast_from_rank0(module, group, dp_world)
+    return module, excluded
+
+
+def place(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
+    """``model`` on ``device`` in the config's training dtype (fp16 / bf16 / as it is)."""
+    model = model.to(device)
+    if cfg.fp16.enabled:
+        model = model.half()
+    elif cfg.bf16.enabled:
+        model = model.bfloat16()
+    return model
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: torch.nn.Module, group, world: int) -> None:
+    """Every rank starts from rank 0's weights and buffers (as DeepSpeed's engine does)."""
+    if world == 1:
+        return
+    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group_tensors])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

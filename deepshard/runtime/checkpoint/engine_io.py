@@ -1,0 +1,247 @@
+"""The engine's checkpoints: ``save_checkpoint``, ``load_checkpoint``, ``save_16bit_model``.
+
+Everything here goes through the engine's public state — ``module``, ``optimizer``,
+``lr_scheduler``, ``loss_scaler``, ``counters``, ``strategy`` (what the data-parallel
+strategy writes and restores of its own), ``topology`` (the model-parallel layout or
+``None``), ``global_rank``, ``world_size``, ``dp_world_size`` and the collectives
+``barrier()`` and ``agree(failure)`` — so a new strategy or layout needs nothing here.
+
+Every load goes through the by-name form (:mod:`.by_name`), whatever stage, world size
+or precision wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ... import __version__
+from ...errors import UsageError
+from ...liveness import heartbeat
+from . import format as fmt
+from . import model_parallel as mp
+from .by_name import ByName, aliases, read_by_name
+
+logger = logging.getLogger("deepshard")
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True,
+                    exclude_frozen_parameters=False) -> bool:
+    """``engine.save_checkpoint`` (see there)."""
+    exclude = bool(exclude_frozen_parameters)
+    tag = fmt.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    topology = engine.topology
+    if topology is None and engine.mp_group is not None:
+        raise UsageError("checkpoints of a model split by a user's mpu are not supported",
+                         where="engine.save_checkpoint",
+                         hint="let deepshard split the model (pipeline / tensor_parallel "
+                              "config sections), or save the module yourself")
+    heartbeat(engine.global_steps)
+    strategy = engine.strategy
+    with strategy.materialized(engine.optimizer):
+        own: dict[str, object] = {"rng": fmt.rng_states()}
+        payload = strategy.rank_payload(engine.optimizer)
+        if payload is not None:
+            own["zero"] = payload
+        if topology is not None:  # every rank holds another part of the model
+            own["mp"] = {**_model_state(engine, exclude), "tp_layout": _tp_layout(engine)}
+        shared = _shared(engine, client_state, exclude) if engine.global_rank == 0 else None
+        fmt.save(save_dir, _manifest(engine, tag, exclude), rank=engine.global_rank,
+                 shared=shared, own=own, agree=engine.agree, save_latest=save_latest)
+    heartbeat(engine.global_steps)
+    return True
+
+
+def _model_state(engine, exclude_frozen: bool) -> dict:
+    """The model's part of a checkpoint (without what the strategy's rank files hold)."""
+    strategy, module, optimizer = engine.strategy, engine.module, engine.optimizer
+    state = module.state_dict()
+    owned = strategy.owned_names(module)
+    skip = owned | (frozen_names(module) if exclude_frozen else set())
+    return {
+        "module": {k: v for k, v in state.items() if k not in skip},
+        "state_names": list(state),
+        "fp32_masters": strategy.masters_by_name(module),
+        "optimizer": strategy.optimizer_state(optimizer),
+        "optimizer_names": strategy.optimizer_names(optimizer),
+        "aliases": aliases(module),
+    }
+
+
+def _shared(engine, client_state, exclude_frozen: bool) -> dict:
+    """Rank 0's shared file: the model (unless every rank writes its own part), the
+    schedule's state, the counters and the client's state."""
+    model = _model_state(engine, exclude_frozen)
+    if engine.topology is not None:
+        optimizer = model["optimizer"]
+        model.update(module={}, fp32_masters=None, optimizer_names=None, optimizer=None
+                     if optimizer is None else {"state": {},
+                                                "param_groups": optimizer["param_groups"]})
+    return {
+        **model,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+        "counters": dataclasses.asdict(engine.counters),
+        "client_state": dict(client_state or {}),
+    }
+
+
+def _tp_layout(engine) -> dict:
+    from ..parallel.tensor import tp_layout
+
+    return {n: (s.dim, s.sections) for n, s in tp_layout(engine.module).items()}
+
+
+def _manifest(engine, tag: str, exclude_frozen: bool) -> fmt.Manifest:
+    strategy, topology = engine.strategy, engine.topology
+    world = engine.dp_world_size if topology is None else engine.world_size
+    return fmt.Manifest(
+        tag=tag, world_size=world, zero_stage=strategy.stage,
+        param_dtype=str(strategy.params[0].dtype if strategy.params else torch.float32),
+        master_dtype=strategy.master_dtype, global_steps=engine.global_steps,
+        deepshard_version=__version__,
+        files=(fmt.SHARED_FILE, *(fmt.rank_file(r) for r in range(world))),
+        created_unix=fmt.now(), layout=None if topology is None else mp.layout_of(topology),
+        frozen_excluded=exclude_frozen)
+
+
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """State-dict names (aliases included) of the parameters that do not require grad."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
+
+
+# -- loading ---------------------------------------------------------------------------
+def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
+                    load_optimizer_states=True, load_lr_scheduler_states=True,
+                    load_module_only=False):
+    """``engine.load_checkpoint`` (see there)."""
+    manifest = fmt.resolve_tag(load_dir, None if tag is None else fmt.check_tag(tag))
+    if manifest is None:
+        if engine.global_rank == 0:
+            logger.warning("no complete checkpoint in %s: starting from scratch", load_dir)
+        return None, None
+    path = Path(load_dir) / manifest.tag
+    shared = fmt.load_file(path, fmt.SHARED_FILE)
+    by_name = _read(engine, path, manifest, shared)
+    load_optimizer = load_optimizer_states and not load_module_only
+    with engine.strategy.materialized(engine.optimizer):
+        _restore_model(engine, by_name, shared, load_module_strict, load_optimizer,
+                       manifest, path)
+    if not load_module_only:
+        _restore_schedule(engine, path, shared, load_lr_scheduler_states)
+    engine.strategy.zero_grad()
+    engine.barrier()
+    return str(path), shared["client_state"]
+
+
+def _read(engine, path: Path, manifest: fmt.Manifest, shared: dict) -> ByName:
+    """This rank's part of the checkpoint by name (all of it where the rank keeps all)."""
+    topology = engine.topology
+    need = engine.strategy.needed()
+    if topology is not None or manifest.layout:
+        mp.check_same_layout(manifest, topology, path)
+        coord = topology.coord(engine.global_rank)
+        return mp.by_name(path, manifest, coord.pipe, coord.tensor, need)[0]
+    return read_by_name(path, manifest, shared, need=need)
+
+
+def _restore_model(engine, by_name: ByName, shared: dict, strict: bool, load_optimizer: bool,
+                   manifest: fmt.Manifest, path: Path) -> None:
+    module, strategy = engine.module, engine.strategy
+    want = set(module.state_dict())
+    owned = strategy.owned_names(module)
+    module.load_state_dict({k: by_name.values[k] for k in want - owned
+                            if k in by_name.values}, strict=False)
+    saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
+    missing = ((want - owned) - by_name.present) | strategy.restore(
+        engine.optimizer, by_name, load_optimizer, saved_groups)
+    check_missing(module, missing, by_name.present - want, strict, manifest, path)
+
+
+def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool) -> None:
+    if load_lr_scheduler and engine.lr_scheduler and shared["lr_scheduler"]:
+        engine.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+    if engine.loss_scaler and shared["loss_scaler"]:
+        engine.loss_scaler.load_state_dict(shared["loss_scaler"])
+    engine.counters = dataclasses.replace(engine.counters, **shared["counters"])
+    own_file = path / fmt.rank_file(engine.global_rank)
+    if own_file.exists():
+        fmt.set_rng_states(fmt.load_file(path, own_file.name)["rng"])
+
+
+def check_missing(module: torch.nn.Module, missing: set[str], unexpected: set[str],
+                  strict: bool, manifest: fmt.Manifest, path: Path) -> None:
+    """With ``strict``, a checkpoint lacking entries of the model (or holding entries
+    the model lacks) is a usage error."""
+    if not strict or not (missing or unexpected):
+        return
+    if missing and manifest.frozen_excluded and missing <= frozen_names(module):
+        raise UsageError(f"the checkpoint lacks this model's {len(missing)} frozen "
+                         f"parameters: it was saved with exclude_frozen_parameters=True",
+                         where=str(path),
+                         hint="pass load_module_strict=False: the frozen parameters "
+                              "then keep the values the model has")
+    what = f"lacks {len(missing)} entries of this model: " \
+        f"{', '.join(sorted(missing)[:5])}" if missing else \
+        f"holds {len(unexpected)} entries this model lacks: " \
+        f"{', '.join(sorted(unexpected)[:5])}"
+    raise UsageError(f"the checkpoint {what}", where=str(path),
+                     hint="load a checkpoint of the same model, or pass "
+                          "load_module_strict=False")
+
+
+# -- one whole file --------------------------------------------------------------------
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """``engine.save_16bit_model`` (see there)."""
+    if engine.topology is not None or engine.mp_group is not None:
+        raise UsageError("save_16bit_model cannot gather a model split over pipeline or "
+                         "tensor-parallel ranks", where="engine.save_16bit_model",
+                         hint="save a checkpoint and consolidate it with "
+                              "deepshard.get_fp32_state_dict()")
+    strategy = engine.strategy
+    if strategy.partitions_params and not \
+            engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if engine.global_rank == 0:
+            logger.warning("save_16bit_model: nothing saved; set zero_optimization."
+                           "stage3_gather_16bit_weights_on_model_save to gather the "
+                           "stage 3 parameters for it")
+        return False
+    state = _gathered_state(engine, exclude_frozen_parameters)
+    if state is not None:
+        path = Path(save_dir) / save_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    engine.barrier()
+    return True
+
+
+def _gathered_state(engine, exclude_frozen: bool) -> dict | None:
+    """Rank 0's copy of the whole module state (None elsewhere), gathering partitioned
+    parameters one flat group at a time: no rank ever holds the whole model but rank 0's
+    CPU copy."""
+    from ..zero.stage3 import GatheredParameters
+
+    module, rank0 = engine.module, engine.global_rank == 0
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    gathered: dict[str, torch.Tensor] = {}
+    for params in engine.strategy.gather_groups():
+        with GatheredParameters(params):
+            if rank0:
+                for p in params:
+                    value = p.detach().cpu().clone()
+                    gathered.update((n, value) for n in names[id(p)])
+    if not rank0:
+        return None
+    skip = frozen_names(module) if exclude_frozen else set()
+    return {k: gathered[k] if k in gathered else v.detach().cpu().clone()
+            for k, v in module.state_dict().items() if k not in skip}

@@ -1,0 +1,93 @@
+"""ZeRO checkpoints: what each rank writes of its shards, and how it reads them back.
+
+Saving, every rank writes its shard of every flat group into its own rank file: the
+group's member names, offsets and element counts, the shard bounds, the fp32 values
+(master or parameter) and the optimizer state tensors of the shard. Rank 0's shared file
+keeps the rest (buffers and frozen parameters, optimizer hyperparameters, scheduler, ...).
+
+Loading fills the shards from a checkpoint's by-name form (:mod:`.by_name`), so a ZeRO
+checkpoint loads at any stage and world size. A rank assembles only what it keeps
+(:func:`needed`): optimizer state for the parameters its shards cut into, values for those
+too at stage 3 (at stages 1-2 every rank holds every value).
+
+The functions take the ZeRO strategy (its ``groups`` of flat parameters and its shard
+``stepper``) without importing it: the strategy imports this module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..zero.partition import pieces
+from .by_name import ByName, Needed, copy_scalars
+
+
+def needed(zero) -> Needed:
+    """What this rank's flat groups keep: state for the parameters its shards cut into;
+    values for those in partitioned groups, for every member of a replicated group."""
+    values: set[str] = set()
+    state: set[str] = set()
+    for g in zero.groups:
+        mine = {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
+        state |= mine
+        values |= mine if g.partitioned else set(g.names)
+    return Needed(frozenset(values), frozenset(state))
+
+
+def shard_payload(zero, optimizer) -> list[dict]:
+    """This rank's part of a checkpoint: one entry per flat group."""
+    out = []
+    for k, g in enumerate(zero.groups):
+        t = zero.stepper.step_tensors[k]
+        state = optimizer.state.get(t, {}) if optimizer is not None else {}
+        out.append({
+            "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
+            "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi,
+            "values": t.detach().float().clone(),
+            "state": {n: v.clone() for n, v in state.items()
+                      if torch.is_tensor(v) and v.dim() > 0},
+            "scalars": {n: v for n, v in state.items()
+                        if not (torch.is_tensor(v) and v.dim() > 0)},
+        })
+    return out
+
+
+def owned_names(zero, module: torch.nn.Module) -> set[str]:
+    """Every state-dict name (aliases included) of a parameter the flat groups own."""
+    ids = {id(p) for g in zero.groups for p in g.params}
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+@torch.no_grad()
+def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> list[str]:
+    """Fill this rank's shards (values, masters and, if asked, optimizer state) from
+    ``by_name``. Returns the names it lacked (left as they were)."""
+    missing = []
+    for k, g in enumerate(zero.groups):
+        t = zero.stepper.step_tensors[k]
+        fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
+        state: dict[str, torch.Tensor] = {}
+        found = [n in by_name.present for n in g.names]
+        missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
+        fresh.copy_(g.read_shard())
+        for piece in pieces(g.flat, g.spec, g.rank):
+            name = g.names[g.flat.params.index(piece.param)]
+            src = slice(piece.param_start, piece.param_start + piece.length)
+            dst = slice(piece.shard_start, piece.shard_start + piece.length)
+            if name in by_name.values:
+                fresh[dst] = by_name.values[name].reshape(-1)[src].float()
+            for key, full in by_name.state.get(name, {}).items():
+                buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
+                buf[dst] = full.reshape(-1)[src]
+        g.write_shard(fresh)
+        if t is not g.shard and t.numel():
+            t.copy_(fresh)
+        if not g.partitioned:
+            for name, p in zip(g.names, g.params, strict=True):
+                if name in by_name.values:
+                    p.copy_(by_name.values[name].view_as(p))
+        if load_optimizer and optimizer is not None and state:
+            scal = next((by_name.scalars[n] for n in g.names if n in by_name.scalars), {})
+            # a fresh step counter per group: fused optimizers increment it in place
+            optimizer.state[t] = {**copy_scalars(scal), **state}
+    return missing
