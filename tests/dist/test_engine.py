@@ -35,6 +35,23 @@ TINY_ARGS = ("--n_layer", "2", "--d_model", "64", "--n_head", "4", "--vocab_size
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}
 
 
+# AdamW divides each update by sqrt(v): where a weight's gradient is near zero, the
+# rounding of the reduction order (per-rank and per-micro-batch means summed, against one
+# whole-batch mean) grows toward lr per step. Measured on an AVX-512 Xeon: up to 2.5e-5
+# after 5 steps with the batch in 4 parts, the same at the commit before the strategy
+# refactor (these checks then failed at atol 1e-5 / 2e-5); 2 parts stay under 1e-5.
+ADAM_ATOL = ADAMW["params"]["lr"] / 50
+
+
+def assert_weights_close(got: dict, want: dict, rtol: float) -> None:
+    """Every entry of ``want`` in ``got`` within ``rtol`` and :data:`ADAM_ATOL`."""
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        diff = float((got[name] - value).abs().max())
+        torch.testing.assert_close(got[name], value, rtol=rtol, atol=ADAM_ATOL,
+                                   msg=f"{name}: max abs difference {diff:.3g}")
+
+
 def write_config(tmp_path, **config) -> str:
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
@@ -96,8 +113,7 @@ def test_data_parallel_matches_single_process(tmp_path, world, micro, gas, wire)
         assert 1e-5 < drift < 1e-2, f"bf16 wire: weights drift {drift} from fp32"
         return
     np.testing.assert_allclose(curve, want, rtol=2e-5)
-    for name, value in want_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    assert_weights_close(state, want_state, rtol=1e-4)
 
 
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):

@@ -16,6 +16,7 @@ from tests.dist.test_engine import (
     PROBE,
     TINY_ARGS,
     TRAIN,
+    assert_weights_close,
     losses_of,
     reference,
     write_config,
@@ -67,9 +68,7 @@ def test_stage_matches_single_process(tmp_path, stage, world, micro, gas, offloa
     torch.testing.assert_close([float(got[s + 1]) for s in range(steps)], want, rtol=2e-5,
                                atol=0)
     state = deepshard.get_fp32_state_dict(tmp_path / "ckpt")
-    assert state.keys() == want_state.keys()
-    for name, value in want_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_weights_close(state, want_state, rtol=1e-5)
     if offload == "nvme":
         assert not any((tmp_path / "nvme").rglob("*.swp")), "swap files outlived the job"
 
@@ -106,8 +105,7 @@ def test_checkpoint_reshards_across_world_size_and_stage(tmp_path, first, second
     want, want_state = reference(6, 8)
     torch.testing.assert_close(curve, want, rtol=2e-5, atol=0)
     state = deepshard.get_fp32_state_dict(ckdir)
-    for name, value in want_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_weights_close(state, want_state, rtol=1e-5)
 
 
 def _probe(tmp_path, world: int, stage: int, *flags: str, offload: str = "none",
