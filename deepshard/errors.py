@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -77,6 +78,10 @@ class _ExitHook:
             self.previous(kind, exc, tb)
             return
         print(render(exc), file=sys.stderr, flush=True)
+        # the launcher stops the other ranks with SIGTERM meanwhile: one arriving in an
+        # exit handler must end this process quietly, not print that handler's traceback
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, _exit_usage)
         atexit._run_exitfuncs()
         _flush()
         os._exit(EXIT_USAGE)
@@ -96,6 +101,12 @@ class _ThreadExitHook:
         print(render(args.exc_value), file=sys.stderr, flush=True)
         _flush()
         os._exit(EXIT_USAGE)
+
+
+def _exit_usage(signum: int, frame: object) -> None:
+    del signum, frame
+    _flush()
+    os._exit(EXIT_USAGE)
 
 
 def _flush() -> None:

@@ -68,6 +68,7 @@ def test_stage_matches_single_process(tmp_path, stage, world, micro, gas, offloa
     torch.testing.assert_close([float(got[s + 1]) for s in range(steps)], want, rtol=2e-5,
                                atol=0)
     state = deepshard.get_fp32_state_dict(tmp_path / "ckpt")
+    assert list(state) == list(want_state)  # the module's order at every stage
     assert_weights_close(state, want_state, rtol=1e-5)
     if offload == "nvme":
         assert not any((tmp_path / "nvme").rglob("*.swp")), "swap files outlived the job"
