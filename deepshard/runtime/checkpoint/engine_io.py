@@ -47,9 +47,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         payload = strategy.rank_payload(engine.optimizer)
         if payload is not None:
             own["zero"] = payload
+        rank0 = engine.global_rank == 0
+        model = _model_state(engine, exclude) if rank0 or topology is not None else None
         if topology is not None:  # every rank holds another part of the model
-            own["mp"] = {**_model_state(engine, exclude), "tp_layout": _tp_layout(engine)}
-        shared = _shared(engine, client_state, exclude) if engine.global_rank == 0 else None
+            own["mp"] = {**model, "tp_layout": _tp_layout(engine)}
+        shared = _shared(engine, model, client_state) if rank0 else None
         fmt.save(save_dir, _manifest(engine, tag, exclude), rank=engine.global_rank,
                  shared=shared, own=own, agree=engine.agree, save_latest=save_latest)
     heartbeat(engine.global_steps)
@@ -72,15 +74,15 @@ def _model_state(engine, exclude_frozen: bool) -> dict:
     }
 
 
-def _shared(engine, client_state, exclude_frozen: bool) -> dict:
-    """Rank 0's shared file: the model (unless every rank writes its own part), the
-    schedule's state, the counters and the client's state."""
-    model = _model_state(engine, exclude_frozen)
+def _shared(engine, model: dict, client_state) -> dict:
+    """Rank 0's shared file: ``model`` (:func:`_model_state`; only its hyperparameters and
+    names when every rank writes its own part), the schedule's state, the counters and
+    the client's state."""
     if engine.topology is not None:
         optimizer = model["optimizer"]
-        model.update(module={}, fp32_masters=None, optimizer_names=None, optimizer=None
-                     if optimizer is None else {"state": {},
-                                                "param_groups": optimizer["param_groups"]})
+        model = {**model, "module": {}, "fp32_masters": None, "optimizer_names": None,
+                 "optimizer": None if optimizer is None else
+                 {"state": {}, "param_groups": optimizer["param_groups"]}}
     return {
         **model,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,

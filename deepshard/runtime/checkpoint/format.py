@@ -140,10 +140,9 @@ def _step(agree: Agree, action: Callable[[], None] | None, where: Path, partial:
     if action is not None:
         try:
             action()
-        except (OSError, RuntimeError) as exc:
-            failure = _os_failure(exc, where)
-            if failure is None:
-                raise
+        except OSError as exc:
+            failure = f"{exc.filename or where}: cannot write the checkpoint: " \
+                f"{exc.strerror or exc}"
     failure = agree(failure)
     if failure is None:
         return
@@ -155,16 +154,8 @@ def _step(agree: Agree, action: Callable[[], None] | None, where: Path, partial:
                                    "save_dir; the previous checkpoint is intact")
 
 
-def _os_failure(exc: BaseException, where: Path) -> str | None:
-    """``exc``'s operating-system cause as one line, or ``None`` when it has none."""
-    seen = _os_error(exc)
-    if seen is None:
-        return None
-    path = seen.filename or where
-    return f"{path}: cannot write the checkpoint: {seen.strerror or seen}"
-
-
 def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError ``exc`` was raised from or while handling, if any."""
     seen: BaseException | None = exc
     while seen is not None and not isinstance(seen, OSError):
         seen = seen.__cause__ or seen.__context__
