@@ -7,13 +7,20 @@ parameter, while autograd goes on computing earlier layers' gradients; buckets a
 strictly in index order so that every rank issues its collectives in the same order.
 Communication happens only at gradient-accumulation boundaries (:attr:`GradBuckets.sync`).
 
+Several backwards may run before one optimizer step (DeepSpeed accepts two
+``engine.backward`` calls at one boundary): a backward that starts on buffers already
+reduced first turns them back into this rank's share (:meth:`GradBuckets._rearm`), so the
+next reduction sums every backward's gradients exactly once; gradients left unreduced at a
+step (a backward that did not synchronise, another engine's backward reaching these
+parameters) are reduced by the step itself (:attr:`GradBuckets.unreduced`).
+
 The engine scales the loss by ``1 / world`` before backward, so the all-reduced sum is
 already the mean: no division pass after communication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +105,11 @@ class GradBuckets:
         self.sync = False
         self._active = False
         self._armed = False
+        self._reduced = False  # the buffers hold reduced gradients (since the last zero)
+        self.unreduced = False  # local gradients arrived since the last reduction
+        # called when a gradient arrives while no backward of ours is active: it begins
+        # one (another engine's backward reached our parameters) or raises
+        self.outside: Callable[[], None] | None = None
         self._ready = [False] * len(self.params)
         self._pending: list[int] = []
         self._next = 0
@@ -118,13 +130,19 @@ class GradBuckets:
     def begin_backward(self, sync: bool) -> None:
         """Called by the engine before each backward: ``sync`` at an accumulation boundary,
         when this backward's gradients are to be reduced (every rank reduces every bucket)."""
-        if sync and self._armed:
-            raise UsageError("a second backward at the same gradient-accumulation boundary",
-                             where="engine.backward",
-                             hint="call engine.step() after each engine.backward(), or sum "
-                                  "the losses and call engine.backward() once")
+        if self._reduced:
+            self._rearm()
         self.sync, self._active = sync, True
         self._armed = self._armed or sync
+
+    def _rearm(self) -> None:
+        """The buffers were reduced and more gradients are coming: make them this rank's
+        share of the reduced sum again (the loss was scaled by ``1 / world``, so the sum
+        over ranks of ``buffer / world`` is the buffer)."""
+        self._reduced = False
+        self.unreduced = True
+        if self.world > 1 and self.buffers:
+            torch._foreach_mul_(self.buffers, 1.0 / self.world)
 
     def end_backward(self) -> None:
         """Called by the engine after each backward."""
@@ -132,10 +150,8 @@ class GradBuckets:
 
     def _on_grad(self, param: torch.Tensor, i: int, b: int) -> None:
         if not self._active:
-            raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
-                             where="loss.backward()",
-                             hint="call engine.backward(loss) instead: it scales the loss "
-                                  "and reduces the gradients across ranks")
+            self._outside(i)
+        self.unreduced = True
         view = self.views[i]
         if param.grad is not view:
             # the user set grads to None (optimizer.zero_grad()): put them back in the bucket
@@ -153,6 +169,20 @@ class GradBuckets:
         while self._next < len(self.layouts) and self._pending[self._next] == 0:
             self._launch(self._next)
             self._next += 1
+
+    def _outside(self, i: int) -> None:
+        if self._reduced:  # the gradient is already added to a reduced buffer
+            raise UsageError(
+                f"{self.names[i]} got a gradient from another backward after this engine "
+                "reduced its gradients for the step", where="loss.backward()",
+                hint="call this engine's step() before a backward that reaches its "
+                     "parameters through another engine or its raw module")
+        if self.outside is None:
+            raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
+                             where="loss.backward()",
+                             hint="call engine.backward(loss), or loss.backward() on a loss "
+                                  "computed from engine(...) outputs")
+        self.outside()
 
     def _launch(self, b: int) -> None:
         if self.world == 1:
@@ -180,6 +210,7 @@ class GradBuckets:
                 self.buffers[b].copy_(wire)
         self._works.clear()
         self._reset_counts()
+        self._reduced, self.unreduced = True, False
 
     def reduce_all(self) -> None:
         """Reduce every bucket now and wait (after backwards that did not synchronise: the
@@ -194,6 +225,7 @@ class GradBuckets:
             p.grad = self.views[i]
         if self.buffers:
             torch._foreach_zero_(self.buffers)
+        self._reduced = self.unreduced = False
 
     def nbytes(self) -> int:
         """Bytes held in gradient buffers."""

@@ -22,11 +22,12 @@ uncaught, the worker's exception hook prints them as one line and exits with cod
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from ..liveness import heartbeat
+from .backward import BackwardDriver
 from .checkpoint import engine_io
 from .loss_scaler import backward_factor, inverse_scale
 from .precision import clip_
@@ -97,6 +99,12 @@ class DeepShardEngine(torch.nn.Module):
         self._step_applied = False
         self._profiler = None
         self._profile_printed = False
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+        self._prescaled = False
+        self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
+                                      lambda: heartbeat(self.counters.global_steps))
+        self.strategy.listen_outside(self._driver.on_outside)
 
     # -- DeepSpeed's getters -------------------------------------------------------------
     @property
@@ -173,8 +181,16 @@ class DeepShardEngine(torch.nn.Module):
         return self.loss_scaler.loss_scale if self.loss_scaler else 1.0
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-batch is the last one before an optimizer step."""
+        """Whether the current micro-batch is the last one before an optimizer step (as
+        set by :meth:`set_gradient_accumulation_boundary`, when it was called)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.counters.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's manual accumulation control: the next backwards synchronise and the
+        next ``step()`` applies exactly when ``is_boundary`` (``None``: count again)."""
+        self._boundary_override = is_boundary
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds: ``params``, ``grads``, ``optimizer``,
@@ -197,29 +213,38 @@ class DeepShardEngine(torch.nn.Module):
 
     # -- training ------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """The module's forward (profiled at ``flops_profiler.profile_step`` on rank 0)."""
+        """The module's forward (profiled at ``flops_profiler.profile_step`` on rank 0).
+
+        Its outputs carry gradient hooks, so that ``loss.backward()`` on a loss computed
+        from them does what ``engine.backward(loss)`` does (:mod:`..backward`)."""
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
+        edges = self._driver.edges
+        inputs, kwargs = edges.inputs(inputs, kwargs)
         factory = self._profiler_factory
         if (factory is not None and self.module.training and self._profiler is None
                 and self.counters.global_steps == self._config.flops_profiler.profile_step):
             self._profiler = factory()
-            return self._profiler.profile_forward(lambda: self.module(*inputs, **kwargs))
-        return self.module(*inputs, **kwargs)
+            return edges.outputs(self._profiler.profile_forward(
+                lambda: self.module(*inputs, **kwargs)))
+        return edges.outputs(self.module(*inputs, **kwargs))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss``, scaled as in DeepSpeed by 1/accumulation (unless
         ``scale_wrt_gas`` is false) and the fp16 loss scale. At an accumulation boundary the
         gradients are reduced while this runs and are final when it returns. Returns the
-        loss as scaled for accumulation, like DeepSpeed."""
+        loss as scaled for accumulation, like DeepSpeed.
+
+        ``loss.backward()`` does the same when ``loss`` comes from ``engine(...)``
+        outputs; several backwards before one ``step()`` accumulate."""
         if not loss.requires_grad:
             raise UsageError("engine.backward() got a loss that does not require grad",
                              where="engine.backward",
                              hint="compute the loss from engine(...) outputs in train mode, "
                                   "outside torch.no_grad()")
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self._sync_now()
         gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = backward_factor(gas, self.dp_world_size, self.loss_scaler)
         self.run_backward(lambda: (loss.float() * factor if factor != 1.0 else loss).backward(
@@ -228,18 +253,55 @@ class DeepShardEngine(torch.nn.Module):
         return loss / gas if gas != 1 else loss
 
     def run_backward(self, autograd: Callable[[], None], boundary: bool) -> None:
-        """Run ``autograd`` between the strategy's ``begin_backward`` and ``end_backward``
-        (``abort_backward`` when it raises)."""
-        self.strategy.begin_backward(boundary)
+        """Run ``autograd`` (its loss scaled already) between the strategy's
+        ``begin_backward`` and ``end_backward`` (``abort_backward`` when it raises)."""
+        self._driver.explicit(autograd, boundary)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's manual backward: ``engine.scale(loss).backward()`` applies the fp16
+        loss scale here (a plain ``loss.backward()`` applies it too)."""
+        if self.loss_scaler is None:
+            return loss
+        self._prescaled = True
+        return loss * self.loss_scaler.loss_scale
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside the block accumulate without reducing (DDP's and DeepSpeed's
+        ``no_sync``); not at ZeRO stages 2-3, which reduce during every backward."""
+        if self.strategy.stage >= 2:
+            raise UsageError(f"engine.no_sync() at ZeRO stage {self.strategy.stage}",
+                             where="engine.no_sync",
+                             hint="stages 2-3 reduce gradients into shards during every "
+                                  "backward: use gradient_accumulation_steps instead")
+        if self._no_sync:
+            raise UsageError("engine.no_sync() entered twice", where="engine.no_sync",
+                             hint="nest no_sync() blocks once")
+        self._no_sync = True
         try:
-            autograd()
-        except BaseException:
-            self.strategy.abort_backward()
-            raise
-        self.strategy.end_backward(boundary)
+            yield
+        finally:
+            self._no_sync = False
+
+    def _sync_now(self) -> bool:
+        return not self._no_sync and self.is_gradient_accumulation_boundary()
+
+    def _direct_factor(self) -> float:
+        """What a ``loss.backward()`` reaching this engine's outputs scales them by."""
+        factor = backward_factor(self._config.gradient_accumulation_steps,
+                                 self.dp_world_size, self.loss_scaler)
+        if self._prescaled:
+            self._prescaled = False
+            factor *= inverse_scale(self.loss_scaler)
+        return factor
 
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary apply the optimizer step."""
+        if self._no_sync:
+            raise UsageError("engine.step() inside engine.no_sync()", where="engine.step",
+                             hint="leave the no_sync() block, run a backward outside it, "
+                                  "then step")
+        self._driver.reap()
         if not self.is_gradient_accumulation_boundary():
             self.counters.micro_steps += 1
             return
@@ -350,6 +412,12 @@ class DeepShardEngine(torch.nn.Module):
         return engine_io.load_checkpoint(self, load_dir, tag, load_module_strict,
                                          load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only)
+
+    def destroy(self) -> None:
+        """DeepSpeed's teardown: unregister the engine's gradient and parameter hooks and
+        close its offload files (the module keeps its current weights)."""
+        self._driver.reap()
+        self.strategy.close()
 
     def barrier(self) -> None:
         """Every rank of the job (checkpoints are collective over all of them)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,12 @@ class DataParallelStrategy(ABC):
     def begin_backward(self, boundary: bool) -> None:
         """Before autograd runs; ``boundary``: this backward's gradients are reduced."""
 
+    def begin_passive(self) -> None:
+        """Before gradients from another engine's backward (one that reached these
+        parameters without passing this engine's outputs): they accumulate, and are
+        reduced by the next synchronising backward or by the step."""
+        self.begin_backward(False)
+
     @abstractmethod
     def end_backward(self, boundary: bool) -> None:
         """After autograd returned: at a boundary the reduced gradients are final now."""
@@ -64,11 +70,18 @@ class DataParallelStrategy(ABC):
         """Reduce the gradients of backwards that did not synchronise, and wait (the
         pipeline engine, once its last micro-batch's backward and tied sums are done)."""
 
+    @abstractmethod
+    def listen_outside(self, listener: Callable[[], None]) -> None:
+        """``listener()`` runs when a parameter gets a gradient while no backward of this
+        strategy's is active (another engine's backward reached the parameters); it
+        begins one with :meth:`begin_backward` or raises."""
+
     # -- the step ---------------------------------------------------------------------
     @abstractmethod
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
         """The gradients the optimizer will step with, the loss scale undone
-        (``× inv_scale``); clipping scales them in place."""
+        (``× inv_scale``); clipping scales them in place. Gradients still unreduced (a
+        backward since the last reduction that did not synchronise) are reduced first."""
 
     @abstractmethod
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:

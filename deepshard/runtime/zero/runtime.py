@@ -9,7 +9,7 @@ over them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,12 @@ class ZeroStrategy(DataParallelStrategy):
     def begin_backward(self, boundary: bool) -> None:
         self.grads.begin_backward(boundary)
 
+    def begin_passive(self) -> None:
+        if isinstance(self.grads, Stage2Grads):
+            self.grads.begin_passive()
+        else:
+            self.grads.begin_backward(False)
+
     def end_backward(self, boundary: bool) -> None:
         """After autograd: stage 1 waits for its reductions at a boundary; stages 2-3
         reduced during backward and fold the results now."""
@@ -77,7 +83,12 @@ class ZeroStrategy(DataParallelStrategy):
         self.grads.reduce_all()
 
     # -- the step ---------------------------------------------------------------------
+    def listen_outside(self, listener: Callable[[], None]) -> None:
+        self.grads.outside = listener
+
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        if self.grads.unreduced:
+            self.grads.reduce_all()
         return self.stepper.load_grads(self.grads.shard_grads(), inv_scale)
 
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -35,6 +35,18 @@ class Stage1Grads(GradBuckets):
         """This rank's slice of every group's (reduced) gradients."""
         return [buf[g.lo:g.hi] for buf, g in zip(self.buffers, self.groups, strict=True)]
 
+    def _rearm(self) -> None:
+        """Reduced buffers are whole only in this rank's shard (the rest is stale local
+        data): keep the shard (the averaged gradients) and zero the rest, so the next
+        reduce-scatter adds the new backward's gradients to it exactly once."""
+        self._reduced = False
+        self.unreduced = True
+        if self.world == 1:
+            return
+        for buf, g in zip(self.buffers, self.groups, strict=True):
+            buf[:g.lo].zero_()
+            buf[g.hi:].zero_()
+
     def _launch(self, b: int) -> None:
         if self.world == 1:
             return

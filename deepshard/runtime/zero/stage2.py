@@ -68,6 +68,7 @@ class StagingPool:
 class Stage2Grads:
     """Gradient shards of ``groups`` filled by reduce-scatter during every backward."""
 
+
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[FlatGroup],
                  pg: dist.ProcessGroup | None, world: int, comm_dtype: torch.dtype | None,
                  names: Sequence[str], overlap_comm: bool, bucket_elements: int,
@@ -94,6 +95,13 @@ class Stage2Grads:
         self._seen = [False] * len(self.params)
         self._works: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []
         self._active = False
+        self._passive = False
+        # gradients left in .grad by passive backwards, reduced by the next backward's
+        # hooks or by the step (reduce_all)
+        self.unreduced = False
+        # called when a gradient arrives while no backward of ours is active: it begins
+        # one (another engine's backward reached our parameters) or raises
+        self.outside: Callable[[], None] | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
                        for i, p in enumerate(self.params) if i in self.group_of]
 
@@ -103,9 +111,30 @@ class Stage2Grads:
         del sync
         self._active = True
 
+    def begin_passive(self) -> None:
+        """Another engine's backward reaches these parameters: their gradients stay in
+        ``.grad`` (a module's own ``zero_grad()`` drops them, as in plain torch) until this
+        engine's next backward or step reduces them."""
+        self._active = self._passive = True
+
     def end_backward(self) -> None:
         """Called after each backward: reduce what never got a gradient, wait for all."""
         self._active = False
+        if self._passive:
+            self._passive = False
+            return
+        self.finish()
+
+    def reduce_all(self) -> None:
+        """Reduce the gradients passive backwards left in ``.grad`` (at a step)."""
+        self.unreduced = False
+        self._active = True
+        try:
+            for i, p in enumerate(self.params):
+                if p.grad is not None and i in self.group_of:
+                    self._on_grad(p, i)
+        finally:
+            self._active = False
         self.finish()
 
     def abort_backward(self) -> None:
@@ -141,6 +170,7 @@ class Stage2Grads:
             torch._foreach_zero_(self.shards)
         for p in self.params:
             p.grad = None
+        self.unreduced = False
 
     def nbytes(self) -> int:
         """Bytes of gradient shards held between steps."""
@@ -155,10 +185,15 @@ class Stage2Grads:
     # hooks ---------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor, i: int) -> None:
         if not self._active:
-            raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
-                             where="loss.backward()",
-                             hint="call engine.backward(loss) instead: it scales the loss "
-                                  "and reduces the gradients across ranks")
+            if self.outside is None:
+                raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
+                                 where="loss.backward()",
+                                 hint="call engine.backward(loss), or loss.backward() on a "
+                                      "loss computed from engine(...) outputs")
+            self.outside()
+        if self._passive:
+            self.unreduced = True
+            return
         if self._seen[i]:
             raise UsageError(f"{self.names[i]} got its gradient twice in one backward",
                              where="engine.backward",
