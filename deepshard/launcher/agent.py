@@ -307,6 +307,10 @@ class Agent:
         node = self.node
         base = dict(os.environ)
         base.update(node.env)
+        if node.deepspeed_compat:  # this node's own install: paths may differ between nodes
+            from .compat import SHIM_DIR, prepend_to_path
+
+            base["PYTHONPATH"] = prepend_to_path(SHIM_DIR, base.get("PYTHONPATH"))
         cores = sorted(os.sched_getaffinity(0))
         blocks = core_sets(cores, len(node.workers)) if node.bind_cores_to_rank else None
         if node.log_dir:

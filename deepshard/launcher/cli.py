@@ -34,7 +34,8 @@ from .hostfile import read_hostfile
 from .options import LaunchOptions
 from .placement import place, select
 from .plan import LaunchPlan, build_plan
-from .resources import interface_addresses, is_local, local_names, probe_local
+from .resources import gpu_ids, interface_addresses, is_local, local_names, probe_local
+from .selectors import visible_devices_pool
 from .slurm_env import allocation_resources, expand_nodelist, in_allocation
 from .spawn import DEFAULT_HOSTFILE
 from .supervisor import Outcome, supervise
@@ -97,6 +98,10 @@ if TYPE_CHECKING:
               help="Also write each rank's output to DIR/rank_<N>.log on its node.")
 @click.option("--bind_cores_to_rank", is_flag=True,
               help="Pin each worker to its own block of the host's cores.")
+@click.option("--deepspeed_compat", is_flag=True,
+              help="The workers' `import deepspeed` gets deepshard (deepspeed.x.y is "
+                   "deepshard.x.y), so a DeepSpeed script runs unedited; no DeepSpeed is "
+                   "installed or needed.")
 @click.option("--dry_run", is_flag=True, help="Print the launch plan and exit.")
 @click.version_option(__version__, "--version", prog_name="ds-run")
 @click.argument("user_script")
@@ -228,6 +233,7 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
     if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
         hostfile = DEFAULT_HOSTFILE
     hidden: frozenset[str] = frozenset()
+    notes: list[str] = []  # decisions --dry_run shows
     if options.launcher == "slurm" and not in_allocation(os.environ):
         raise UsageError("--launcher slurm outside a SLURM allocation",
                          hint="run ds-run inside sbatch or salloc (see hostfiles/slurm/)")
@@ -242,8 +248,14 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
     else:
         resources = probe_local(options.num_gpus, os.environ)
         names = local_names()
-        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":  # the user hid the GPUs: keep them
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible == "":  # the user hid the GPUs: keep them
             hidden = frozenset({"localhost"})
+        elif visible is not None:  # DeepSpeed's implicit --include localhost:<ids>
+            resources, note = visible_devices_pool(
+                resources, visible, gpu_ids({}), include_text=options.include,
+                exclude_text=options.exclude, num_gpus=options.num_gpus)
+            notes.append(note)
     selected = select(resources, include_text=options.include, exclude_text=options.exclude,
                       num_nodes=options.num_nodes,
                       num_gpus=options.num_gpus)
@@ -259,7 +271,7 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
         options, placement, env_file.as_dict(), python=sys.executable, cwd=os.getcwd(),
         master_addr=master_addr, master_port=master_port,
         run_id=run_id, is_local=locality, environ=os.environ, hidden_devices=hidden,
-        restart_count=restart_count,
+        restart_count=restart_count, notes=tuple(notes),
     )
 
 

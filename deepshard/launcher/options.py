@@ -47,6 +47,9 @@ class LaunchOptions:
     log_dir: str | None = None
     """Directory for per-rank log files (``rank_<N>.log``) on each node."""
     bind_cores_to_rank: bool = False
+    deepspeed_compat: bool = False
+    """Workers import deepshard as ``deepspeed`` (their agent puts the shim of
+    :mod:`deepshard.launcher.compat` first on their ``PYTHONPATH``)."""
     dry_run: bool = False
     stop_grace: float = 5.0
     """Seconds between SIGTERM and SIGKILL when workers are stopped."""

@@ -55,6 +55,9 @@ class NodePlan:
     local agent needs no lease, its pipe cannot be silently lost)."""
     hang_timeout: float = 0.0
     """A worker that has heartbeaten and then stops for this long is hung (0: never)."""
+    deepspeed_compat: bool = False
+    """Put this node's deepshard ``deepspeed`` shim first on the workers' ``PYTHONPATH``
+    (resolved by the agent: the install path may differ between nodes)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -80,6 +83,9 @@ class LaunchPlan:
     master_port: int
     world_size: int
     nodes: tuple[NodePlan, ...]
+    notes: tuple[str, ...] = ()
+    """Decisions the plan was built on that the command line does not show (e.g. an
+    implicit ``--include`` from ``CUDA_VISIBLE_DEVICES``), printed by ``--dry_run``."""
 
 
 def worker_argv(options: LaunchOptions, python: str, local_rank: int) -> tuple[str, ...]:
@@ -109,6 +115,7 @@ def build_plan(
     environ: Mapping[str, str] | None = None,
     hidden_devices: frozenset[str] = frozenset(),
     restart_count: int = 0,
+    notes: tuple[str, ...] = (),
 ) -> LaunchPlan:
     """Build the plan; ``is_local`` tells, per host, whether it is this machine.
 
@@ -156,8 +163,9 @@ def build_plan(
             bind_cores_to_rank=options.bind_cores_to_rank,
             stop_grace=options.stop_grace,
             hang_timeout=options.hang_timeout or 0.0,
+            deepspeed_compat=options.deepspeed_compat,
             # pdsh forwards no stdin, so no pings: its agents rely on the session's end
             lease_timeout=0.0 if local or options.launcher == "pdsh"
             else options.monitor_timeout,
         ))
-    return LaunchPlan(run_id, master_addr, master_port, world, tuple(nodes))
+    return LaunchPlan(run_id, master_addr, master_port, world, tuple(nodes), notes)

@@ -6,6 +6,7 @@ import re
 import shlex
 from typing import TextIO
 
+from .compat import SHIM_DIR
 from .plan import LaunchPlan
 
 _SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -35,6 +36,8 @@ def render_plan(plan: LaunchPlan, stream: TextIO,
     console.print(f"run {plan.run_id}: {plan.world_size} worker(s) on {len(plan.nodes)} "
                   f"node(s), rendezvous {plan.master_addr}:{plan.master_port}",
                   markup=False, highlight=False)
+    for note in plan.notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     table = Table(show_lines=False)
     for column in ("host", "node", "rank", "local", "devices", "command", "env"):
         table.add_column(column, overflow="fold")
@@ -54,6 +57,11 @@ def render_plan(plan: LaunchPlan, stream: TextIO,
                       markup=False)
         for item in shown_env(node.env):
             console.print(f"  {item}", highlight=False, markup=False)
+        if node.deepspeed_compat:
+            shim = SHIM_DIR if node.local else "<deepshard/launcher/compat/shim on that host>"
+            console.print(f"  PYTHONPATH={shim}:<its PYTHONPATH> (--deepspeed_compat: "
+                          "`import deepspeed` is deepshard; set by its agent)",
+                          highlight=False, markup=False, soft_wrap=True)
         if "OMP_NUM_THREADS" not in dict(node.env):
             console.print(f"  OMP_NUM_THREADS=<the host's cores / {len(node.workers)}, "
                           "set by its agent unless its environment has one>",

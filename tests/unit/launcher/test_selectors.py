@@ -56,10 +56,9 @@ def test_parse_sorts_slots_and_strips_spaces():
         ("worker-0:1.0", "'1.0'"),
         ("worker-0:²", "'²'"),
         ("worker-0:0:1", "'0:1'"),
-        ("worker-0:1,1", "named twice"),
-        ("worker-0:0,1,01", "named twice"),
-        ("worker-0@worker-1@worker-0", "'worker-0' is named twice"),
-        ("worker-0:0@worker-0:1", "'worker-0' is named twice"),
+        ("worker-0@worker-0:1", "'worker-0' is named both alone (all its slots) and with "
+                                "slots 1"),
+        ("worker-0:2,1@worker-1@worker-0", "'worker-0' is named both alone"),
     ],
 )
 @pytest.mark.parametrize("flag", ["--include", "--exclude"])
@@ -70,6 +69,19 @@ def test_parse_errors_name_the_flag(text, fragment, flag):
     assert str(info.value).startswith(f"{flag}: ")
     assert fragment in info.value.message
     assert "HINT: " in str(info.value)
+
+
+def test_repeated_slots_and_hosts_are_unions():
+    assert parse_selector("worker-0:1,1", "--include") == (Selection("worker-0", (1,)),)
+    assert parse_selector("worker-0:0,1,01", "--include") == (Selection("worker-0", (0, 1)),)
+    assert parse_selector("worker-0:3@worker-1:0@worker-0:1,3", "--exclude") == (
+        Selection("worker-0", (1, 3)),
+        Selection("worker-1", (0,)),
+    )
+    assert parse_selector("worker-0@worker-1@worker-0", "--include") == (
+        Selection("worker-0", None),
+        Selection("worker-1", None),
+    )
 
 
 # --- include / exclude ---------------------------------------------------------------------
@@ -290,3 +302,26 @@ def test_place_ranks_host_major(case):
         assert len(node.ranks) == len(node.slots)
         local = [r - node.first_rank for r in node.ranks]
         assert local == list(range(len(host.slots)))
+
+
+@given(resources_and_selector(), st.randoms(use_true_random=False))
+def test_repeating_parts_changes_nothing(case, rng):
+    """A selector's slot lists split over repeated parts, in any order and with repeats,
+    select what the merged selector does (DeepSpeed's union semantics)."""
+    res, selector = case
+    parts = []
+    for part in selector.split("@"):
+        host, sep, slots = part.partition(":")
+        if not sep:
+            parts += [host] * rng.randint(1, 2)
+            continue
+        items = slots.split(",")
+        items += rng.sample(items, rng.randint(0, len(items)))  # some slots twice
+        rng.shuffle(items)
+        cut = rng.randint(1, len(items))
+        parts += [f"{host}:{','.join(items[:cut])}"]
+        if items[cut:]:
+            parts += [f"{host}:{','.join(items[cut:])}"]
+    rng.shuffle(parts)
+    split = "@".join(parts)
+    assert select(res, include_text=split) == select(res, include_text=selector)

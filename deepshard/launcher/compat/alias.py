@@ -1,0 +1,149 @@
+"""``deepspeed`` → ``deepshard``: the work behind the shim package, importable and testable alone.
+
+:func:`install` makes ``sys.modules["deepspeed"]`` the deepshard module and puts
+:class:`AliasFinder` first on ``sys.meta_path``: ``deepspeed.x.y`` is then the module object
+``deepshard.x.y`` (one module under two names, so ``isinstance`` checks and module state
+agree), through deepshard's attribute modules too (``deepspeed.zero`` is what
+``deepshard.zero`` gives). A ``deepspeed.X`` deepshard lacks raises
+:class:`~.missing.MissingDeepSpeedModule`, and the exit hooks make an uncaught one a single
+line with exit code 2. Where a real DeepSpeed is installed as well, deepshard still wins and
+rank 0 logs one warning. Installing imports deepshard's ``__init__`` only: no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from typing import TYPE_CHECKING, cast
+
+from ... import contract
+from ...errors import install_exit_hooks
+from . import SHIM_DIR
+from .missing import attribute_error, module_error
+
+if TYPE_CHECKING:  # typing, collections.abc and importlib.abc cost ~50 ms in every worker
+    from collections.abc import Callable, Sequence
+    from importlib.abc import Loader
+    from types import ModuleType
+    from typing import Any
+
+ALIAS = "deepspeed"
+TARGET = "deepshard"
+
+
+def target_name(name: str) -> str:
+    """The deepshard module behind ``name`` (``deepspeed`` or ``deepspeed.x.y``), through
+    deepshard's attribute modules (``deepspeed.zero`` → ``deepshard.runtime.zero``)."""
+    assert name == ALIAS or name.startswith(ALIAS + "."), name
+    parts = name.split(".")[1:]
+    if not parts:
+        return TARGET
+    modules: dict[str, str] = getattr(importlib.import_module(TARGET), "_MODULES", {})
+    head = modules.get(parts[0], f"{TARGET}.{parts[0]}")
+    return ".".join([head, *parts[1:]])
+
+
+def _exists(real: str) -> bool:
+    """Whether deepshard has module ``real``, without running it (its parents may run)."""
+    if real in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(real) is not None
+    except ModuleNotFoundError as exc:
+        # a missing deepshard parent means "not provided"; anything else is a real failure
+        if exc.name and (real == exc.name or real.startswith(exc.name + ".")):
+            return False
+        raise
+
+
+class AliasLoader:
+    """Hands the import system the existing deepshard module for a ``deepspeed`` name
+    (an ``importlib.abc.Loader`` by its methods; that ABC is not imported, for speed)."""
+
+    def __init__(self, real: str):
+        self.real = real
+        self._spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.real)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system set the alias's spec on the module: give it back its own
+        module.__spec__ = self._spec
+
+
+class AliasFinder:
+    """First on ``sys.meta_path``: every ``deepspeed.*`` name resolves to deepshard (an
+    ``importlib.abc.MetaPathFinder`` by its method)."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != ALIAS and not fullname.startswith(ALIAS + "."):
+            return None
+        real = target_name(fullname)
+        if not _exists(real):
+            raise module_error(fullname)
+        return importlib.machinery.ModuleSpec(fullname, cast("Loader", AliasLoader(real)))
+
+
+def install(shim_dir: str = SHIM_DIR) -> ModuleType:
+    """Make ``deepspeed`` deepshard in this process (idempotent); returns deepshard.
+
+    ``shim_dir``: the directory the shim was imported from, left out when looking for a
+    real DeepSpeed to warn about.
+    """
+    install_exit_hooks()
+    deepshard = importlib.import_module(TARGET)
+    sys.modules[ALIAS] = deepshard
+    if not any(isinstance(f, AliasFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, AliasFinder())
+        _explain_missing_attributes(deepshard)
+        real = real_deepspeed(shim_dir)
+        if real is not None and os.environ.get(contract.RANK, "0") == "0":
+            import logging  # only now: ~10 ms
+
+            logging.getLogger(__name__).warning(
+                "deepshard: --deepspeed_compat: `import deepspeed` is deepshard; the "
+                "DeepSpeed installed at %s is not used", real)
+    return deepshard
+
+
+def real_deepspeed(shim_dir: str, path: Sequence[str] | None = None) -> str | None:
+    """Where a real DeepSpeed package is on ``path`` (``sys.path``), the shim left out."""
+    shim = os.path.realpath(shim_dir)
+    entries = [p for p in (sys.path if path is None else path)
+               if os.path.realpath(p or os.curdir) != shim]
+    spec = importlib.machinery.PathFinder.find_spec(ALIAS, entries)
+    if spec is None:
+        return None
+    locations = spec.submodule_search_locations
+    return next(iter(locations)) if locations else spec.origin
+
+
+def _explain_missing_attributes(deepshard: ModuleType) -> None:
+    """``deepspeed.init_inference`` and the like: one line naming the closest feature.
+
+    deepshard's own module ``__getattr__`` is wrapped in place (the module object stays the
+    same, so ``deepspeed is deepshard`` holds); names it does not know keep its plain
+    AttributeError.
+    """
+    original: Callable[[str], Any] | None = deepshard.__dict__.get("__getattr__")
+    if original is None or getattr(original, "_deepspeed_compat", False):
+        return
+
+    def __getattr__(name: str) -> Any:
+        try:
+            return original(name)
+        except AttributeError:
+            error = attribute_error(name)
+            if error is None:
+                raise
+            raise error from None
+
+    __getattr__._deepspeed_compat = True  # type: ignore[attr-defined]
+    deepshard.__getattr__ = __getattr__  # type: ignore[method-assign]
