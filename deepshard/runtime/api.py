@@ -112,6 +112,9 @@ def _config_and_layout(source, model, mpu):
     if dist.get_rank() == 0 and ignored:
         logger.warning("config keys DeepSpeed knows but deepshard does not implement "
                        "(ignored): %s", ", ".join(ignored))
+    if dist.get_rank() == 0 and loaded.unknown:
+        logger.warning("%s: unknown config keys, ignored as DeepSpeed does: %s",
+                       loaded.origin, ", ".join(loaded.unknown))
     _check_combination(cfg, layout, loaded.origin)
     return loaded, layout
 

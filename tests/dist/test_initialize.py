@@ -226,3 +226,14 @@ def test_activation_checkpointing_section_configures_deepshard_checkpointing(cap
     assert settings.cpu_checkpointing and settings.partition_activations
     assert any("partition_activations" in r.getMessage() for r in caplog.records)
     assert not deepshard.checkpointing.is_configured()
+
+
+def test_unknown_config_key_is_one_warning_and_a_near_miss_an_error(caplog):
+    config = {"train_batch_size": 4, "optimizer": ADAMW, "cuda_visible_devices": 0}
+    with caplog.at_level("WARNING", logger="deepshard"):
+        deepshard.initialize(model=model(), config=config)
+    warnings = [r.getMessage() for r in caplog.records if "cuda_visible_devices" in
+                r.getMessage()]
+    assert len(warnings) == 1 and "ignored as DeepSpeed does" in warnings[0]
+    with pytest.raises(UsageError, match="did you mean 'gradient_clipping'"):
+        deepshard.initialize(model=model(), config={**config, "gradient_cliping": 1.0})

@@ -55,6 +55,8 @@ class LoadedConfig:
     """Dotted paths of keys DeepSpeed knows that deepshard ignores (log one warning)."""
     origin: str
     """Where the config came from: its path, or ``<dict>``."""
+    unknown: tuple[str, ...] = ()
+    """Dotted paths of keys neither deepshard nor DeepSpeed knows (log one warning)."""
 
 
 def load_config(source: object, *, world_size: int, model: Any = None,
@@ -94,8 +96,8 @@ def parse_config(source: object, *, model: Any = None,
         raise UsageError(f"'auto' left unresolved for {', '.join(unresolved)}", where=origin,
                          hint="write concrete values there, or pass them as "
                               "load_config(auto_values={'<key.path>': value, ...})")
-    config, unimplemented = validate_config(data, origin=origin)
-    return LoadedConfig(config, unimplemented, origin)
+    config, unimplemented, unknown = validate_config(data, origin=origin)
+    return LoadedConfig(config, unimplemented, origin, unknown)
 
 
 def with_batch_triad(loaded: LoadedConfig, world_size: int) -> LoadedConfig:

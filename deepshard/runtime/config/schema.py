@@ -264,20 +264,21 @@ class DeepShardConfig(Section):
 
 
 def validate_config(data: dict[str, Any], *, origin: str = "<dict>"
-                    ) -> tuple[DeepShardConfig, tuple[str, ...]]:
+                    ) -> tuple[DeepShardConfig, tuple[str, ...], tuple[str, ...]]:
     """Validate a raw config mapping.
 
     Returns:
-        ``(config, unimplemented)``: the config, and the dotted paths of keys DeepSpeed knows
-        that deepshard ignores (for one warning).
+        ``(config, unimplemented, unknown)``: the config, the dotted paths of keys
+        DeepSpeed knows that deepshard ignores, and those of keys neither knows (each for
+        one warning: DeepSpeed ignores unknown keys).
 
     Raises:
-        UsageError: an unknown key (with "did you mean"), a wrong type or value, or settings
-            that contradict each other; ``where`` is ``<origin>: key.path``.
+        UsageError: a misspelt key (with "did you mean"), a wrong type or value, or
+            settings that contradict each other; ``where`` is ``<origin>: key.path``.
     """
     log = KeyLog(origin=origin)
     config = DeepShardConfig.model_validate(data, context={"keys": log})
-    return config, tuple(log.unimplemented)
+    return config, tuple(log.unimplemented), tuple(log.unknown)
 
 
 def find_auto_keys(data: Any, section: type[Section] = DeepShardConfig,

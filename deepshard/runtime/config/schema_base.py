@@ -6,7 +6,10 @@ A section sorts the keys it is given into three kinds before pydantic sees them:
 - its own fields (by name or by one of DeepSpeed's aliases): validated;
 - keys DeepSpeed knows but deepshard does not implement (``ds_only_keys``): dropped, and
   their dotted paths recorded so the caller can warn once;
-- anything else: a typo, raised at once as a :class:`UsageError` with "did you mean".
+- a near miss of a known key: a typo, raised at once as a :class:`UsageError` with "did
+  you mean";
+- any other key: recorded as unknown, for one warning (DeepSpeed ignores such keys, and
+  real configs carry them, e.g. ``cuda_visible_devices`` in DeepSpeedExamples').
 
 The bookkeeping travels in pydantic's validation ``context`` (a fresh :class:`KeyLog` per
 call): a field wrap-validator keeps the dotted path of the value being validated, so errors
@@ -49,6 +52,8 @@ class KeyLog:
     """The dotted path of the value being validated, as a stack of keys."""
     unimplemented: list[str] = field(default_factory=list)
     """Dotted paths of keys DeepSpeed knows and deepshard ignores, in the order met."""
+    unknown: list[str] = field(default_factory=list)
+    """Dotted paths of keys neither knows (and no near miss of a known one)."""
 
     def where(self, *keys: object) -> str:
         """``<origin>: a.b.c`` for the current path extended by ``keys``."""
@@ -136,6 +141,8 @@ class Section(BaseModel):
                 kept[key] = value
             elif key in cls.ds_only_keys:
                 log.unimplemented.append(".".join([*log.path, str(key)]))
+            elif _suggestion(cls, str(key)) is None:
+                log.unknown.append(".".join([*log.path, str(key)]))
             else:
                 raise unknown_key_error(cls, str(key), log)
         return cls.prepare(kept, log)
@@ -160,9 +167,13 @@ def _section_type(annotation: Any) -> type[Section] | None:
     return None
 
 
+def _suggestion(section: type[Section], key: str) -> str | None:
+    return did_you_mean(key, [*section.known_keys(), *section.ds_only_keys])
+
+
 def unknown_key_error(section: type[Section], key: str, log: KeyLog) -> UsageError:
     accepted = sorted(section.model_fields)
-    suggestion = did_you_mean(key, [*section.known_keys(), *section.ds_only_keys])
+    suggestion = _suggestion(section, key)
     where = log.where(key)
     scope = ".".join(log.path) or "the top level"
     if suggestion:
