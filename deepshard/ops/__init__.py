@@ -1,0 +1,4 @@
+"""``deepspeed.ops`` under deepshard's name: the optimizers DeepSpeed scripts build themselves
+(``ops.adam.FusedAdam``, ``ops.adam.DeepSpeedCPUAdam``, ``ops.lamb.FusedLamb``), with DeepSpeed's
+constructor arguments and no build step. Nothing is compiled here: Adam runs on torch's fused
+kernels, LAMB on :mod:`deepshard.kernels.lamb`."""
