@@ -19,13 +19,26 @@ _LAZY = {
     "initialize": "deepshard.runtime.api",
     "add_config_arguments": "deepshard.runtime.api",
     "DeepShardEngine": "deepshard.runtime.engine",
+    "PipelineEngine": "deepshard.runtime.parallel.pipe_engine",
+    "PipelineModule": "deepshard.runtime.parallel.pipe_module",
+    "get_accelerator": "deepshard.accelerator",
+    "log_dist": "deepshard.utils",
+    "logger": "deepshard.utils",
     "get_fp32_state_dict": "deepshard.runtime.checkpoint.consolidate",
 }
 # DeepSpeed's spellings of the same things
-_ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict"}
-# submodules offered as attributes, like ``deepspeed.checkpointing``
+_ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict",
+            "DeepSpeedEngine": "DeepShardEngine"}
+# submodules offered as attributes, like ``deepspeed.checkpointing`` and ``deepspeed.comm``
 _MODULES = {"checkpointing": "deepshard.runtime.activation_checkpointing",
-            "zero": "deepshard.runtime.zero"}
+            "zero": "deepshard.runtime.zero",
+            "comm": "deepshard.comm",
+            "accelerator": "deepshard.accelerator",
+            "ops": "deepshard.ops",
+            "pipe": "deepshard.pipe",
+            "utils": "deepshard.utils",
+            "profiling": "deepshard.profiling",
+            "runtime": "deepshard.runtime"}
 
 __all__ = ["__version__", *_LAZY, *_ALIASES, *_MODULES]
 

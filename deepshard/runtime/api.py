@@ -68,9 +68,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         mpu = layout.groups
     group, dp_world, dp_rank = _data_parallel(mpu)
     rank, device = dist.get_rank(), training_device()
-    module, excluded = prepare_model(model, cfg, layout, group, dp_world, rank, device)
+    prepared = prepare_model(model, cfg, layout, group, dp_world, rank, device)
+    module, excluded = prepared.module, prepared.excluded
     strategy, opt = build_strategy(cfg, module, optimizer, model_parameters, group,
-                                   dp_world, dp_rank)
+                                   dp_world, dp_rank, prepared.replaced)
     sched = _scheduler(cfg, lr_scheduler, opt)
     _configure_activation_checkpointing(cfg, mpu, rank)
     parts = EngineParts(

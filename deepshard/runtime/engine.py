@@ -38,6 +38,7 @@ from ..errors import UsageError
 from ..liveness import heartbeat
 from .backward import BackwardDriver
 from .checkpoint import engine_io
+from .engine_getters import EngineGetters
 from .loss_scaler import backward_factor, inverse_scale
 from .precision import clip_
 from .strategy import DataParallelStrategy
@@ -76,7 +77,7 @@ class EngineParts:
     mpu: object | None = None  # the layout's ProcessGroups (or a user's mpu)
 
 
-class DeepShardEngine(torch.nn.Module):
+class DeepShardEngine(EngineGetters, torch.nn.Module):
     """DeepSpeed's engine API over one data-parallel strategy (see the module docstring)."""
 
     def __init__(self, parts: EngineParts):
@@ -105,80 +106,6 @@ class DeepShardEngine(torch.nn.Module):
         self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
                                       lambda: heartbeat(self.counters.global_steps))
         self.strategy.listen_outside(self._driver.on_outside)
-
-    # -- DeepSpeed's getters -------------------------------------------------------------
-    @property
-    def config(self):
-        """The validated config (``deepshard.runtime.config.DeepShardConfig``)."""
-        return self._config
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken (including fp16-skipped ones, as in DeepSpeed)."""
-        return self.counters.global_steps
-
-    @property
-    def micro_steps(self) -> int:
-        """Micro-batches seen."""
-        return self.counters.micro_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because of fp16 overflow."""
-        return self.counters.skipped_steps
-
-    @property
-    def global_samples(self) -> int:
-        """Samples consumed by all ranks."""
-        return self.counters.global_samples
-
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def fp16_enabled(self) -> bool:
-        return self._config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def memory_breakdown(self) -> bool:
-        """DeepSpeed's config flag getter (``memory_breakdown``); deepshard does not log it."""
-        return False
-
-    def get_lr(self) -> list[float]:
-        """Learning rate of every param group."""
-        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_mom(self) -> list:
-        """Momentum (``betas`` for Adam-style groups, ``momentum`` for SGD) per param group."""
-        if not self.optimizer:
-            return []
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """Norm of the last step's gradients, when it was computed (clipping or fp16)."""
-        return self._grad_norm
-
-    def was_step_applied(self) -> bool:
-        """False when the last boundary's optimizer step was skipped (fp16 overflow)."""
-        return self._step_applied
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 without fp16)."""
-        return self.loss_scaler.loss_scale if self.loss_scaler else 1.0
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last one before an optimizer step (as
@@ -436,3 +363,7 @@ class DeepShardEngine(torch.nn.Module):
 
 def _to_half(x):
     return x.half() if torch.is_tensor(x) and torch.is_floating_point(x) else x
+
+
+DeepSpeedEngine = DeepShardEngine
+"""DeepSpeed's name (``deepspeed.runtime.engine.DeepSpeedEngine``) for the same class."""

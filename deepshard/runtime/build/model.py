@@ -4,6 +4,8 @@ parameters made whole where the job needs them whole, the model-parallel layout 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import os
 
 import torch
@@ -19,22 +21,37 @@ def training_device() -> torch.device:
     return torch.device("cpu")
 
 
-def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, rank: int,
-                  device: torch.device) -> tuple[torch.nn.Module, frozenset[int]]:
-    """The module placed, cast and made identical across data-parallel ranks, and the
-    ids of parameters the gradient norm leaves out on this rank (replicas counted on
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare_model` made of the user's model."""
+
+    module: torch.nn.Module
+    excluded: frozenset[int]
+    """ids of parameters the gradient norm leaves out on this rank (replicas counted on
     another model-parallel rank)."""
+    replaced: dict[int, torch.nn.Parameter]
+    """id of a parameter the user passed (in ``model_parameters`` or a client optimizer)
+    -> the parameter that now stands in its place (AutoTP builds new, sharded ones)."""
+
+
+def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, rank: int,
+                  device: torch.device) -> Prepared:
+    """The module placed, cast, sharded by the layout and made identical across
+    data-parallel ranks."""
     module = place(model, cfg, device)
     if cfg.zero_optimization.stage < 3 or (layout is not None and layout.topology.tensor > 1):
         from ..zero.init import materialize
 
         # built under zero.Init: whole again below stage 3, and for AutoTP to cut it
         materialize(module)
+    before = list(module.named_parameters(remove_duplicate=False))
     excluded: frozenset[int] = frozenset()
     if layout is not None:
         excluded = layout.prepare(module, broadcast_from_rank0, rank)
+    after = dict(module.named_parameters(remove_duplicate=False))
+    replaced = {id(p): after[n] for n, p in before if n in after and after[n] is not p}
     broadcast_from_rank0(module, group, dp_world)
-    return module, excluded
+    return Prepared(module, excluded, replaced)
 
 
 def place(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:

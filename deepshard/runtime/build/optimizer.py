@@ -46,11 +46,15 @@ def source_groups(client, model_parameters, params: Sequence[torch.nn.Parameter]
 
 
 def group_members(cfg, client, source: Sequence[dict], params: Sequence[torch.nn.Parameter],
-                  names: Sequence[str]) -> list[list[int]]:
-    """For each source group, the indices into ``params`` (trainable) it holds; other
-    tensors are left out. A parameter in two groups, or an optimizer with nothing to
-    train, is a usage error."""
+                  names: Sequence[str], replaced: dict | None = None) -> list[list[int]]:
+    """For each source group, the indices into ``params`` (trainable) it holds, a
+    parameter the module replaced (AutoTP) counted as its replacement; other tensors are
+    left out. A parameter in two groups, or an optimizer with nothing to train, is a
+    usage error."""
     index = {id(p): i for i, p in enumerate(params)}
+    for old, new in (replaced or {}).items():
+        if id(new) in index:
+            index[old] = index[id(new)]
     members, owner = [], set()
     for g in source:
         chosen = []

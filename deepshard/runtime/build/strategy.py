@@ -16,14 +16,16 @@ COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 
 
 def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group,
-                   world: int, rank: int
+                   world: int, rank: int, replaced: dict | None = None
                    ) -> tuple[DataParallelStrategy, torch.optim.Optimizer | None]:
-    """The strategy for this rank and the optimizer stepping what it holds."""
+    """The strategy for this rank and the optimizer stepping what it holds (``replaced``:
+    the parameters preparing the module built in place of the user's, by the id of the
+    user's)."""
     check_one_optimizer(cfg, client)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     source = source_groups(client, model_parameters, params)
-    members = group_members(cfg, client, source, params, names)
+    members = group_members(cfg, client, source, params, names, replaced or {})
     comm = COMM_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
     if cfg.zero_optimization.stage:
         from ..zero.runtime import build_zero

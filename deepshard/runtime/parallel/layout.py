@@ -74,14 +74,16 @@ class Layout:
                                   "num_stages=...) or set pipeline.stages to 1")
         if stages == 1 and tp == 1 and not is_pipe:
             return None
-        if mpu is not None:
-            raise UsageError("both mpu= and a pipeline/tensor_parallel layout are given",
+        if mpu is not None and (is_pipe or stages > 1):
+            raise UsageError("both mpu= and a pipeline layout are given",
                              where="initialize(mpu=...)",
                              hint="let the config define the layout, or pass only mpu")
         topo = model.topology() if is_pipe else None
         if topo is None or topo.tensor != tp:
             topo = Topology.from_config(dist.get_world_size(), stages, tp)
         groups = ProcessGroups.create(topo)
+        if mpu is not None:
+            _check_user_mpu(mpu, groups, origin)
         tied = TiedWeightGroups.create(model, topo) if is_pipe else None
         return cls(topo, groups, is_pipe, tied, origin)
 
@@ -117,3 +119,29 @@ class Layout:
         from ..engine import DeepShardEngine
 
         return DeepShardEngine(parts)
+
+
+def _check_user_mpu(mpu, groups: ProcessGroups, origin: str) -> None:
+    """A user's ``mpu=`` next to ``tensor_parallel.autotp_size`` (DeepSpeedExamples' AutoTP
+    example): deepshard shards with its own groups, so the user's must be the same ranks
+    (tensor-parallel ranks consecutive, as DeepSpeed's AutoTP examples build them)."""
+    tp = groups.get_tensor_model_parallel_world_size()
+    theirs = mpu.get_model_parallel_world_size()
+    if theirs != tp:
+        raise UsageError(f"mpu= has model-parallel size {theirs} but tensor_parallel."
+                         f"autotp_size is {tp}", where=f"{origin}: tensor_parallel.autotp_size",
+                         hint="make them agree")
+    pairs = (("model-parallel", mpu.get_model_parallel_group(),
+              groups.get_tensor_model_parallel_group()),
+             ("data-parallel", mpu.get_data_parallel_group(),
+              groups.get_data_parallel_group()))
+    for what, user, ours in pairs:
+        mine = dist.get_process_group_ranks(user) if user is not None else None
+        expected = dist.get_process_group_ranks(ours)
+        if mine != expected:
+            raise UsageError(f"the {what} group of mpu= holds ranks {mine}, but AutoTP "
+                             f"with autotp_size {tp} puts rank {dist.get_rank()} with "
+                             f"ranks {expected}", where="initialize(mpu=...)",
+                             hint="build tensor-parallel groups of consecutive ranks "
+                                  "(rank // autotp_size is the data-parallel index), or "
+                                  "drop mpu= and let the config define the layout")

@@ -1,0 +1,143 @@
+"""DeepSpeed's engine getters: config flags, progress counters and optimizer readings,
+as the scripts and integrations that drive a DeepSpeed engine call them.
+
+:class:`EngineGetters` is a mixin of :class:`~deepshard.runtime.engine.DeepShardEngine`;
+it reads only ``self._config``, ``self.counters``, ``self.optimizer``,
+``self.loss_scaler`` and the last step's results, and changes nothing.
+"""
+
+from __future__ import annotations
+
+
+class EngineGetters:
+    """The read-only part of DeepSpeed's engine API (see the module docstring)."""
+
+    _config: object
+    counters: object
+    optimizer: object
+    loss_scaler: object
+    _grad_norm: float | None
+    _step_applied: bool
+
+    @property
+    def config(self):
+        """The validated config (``deepshard.runtime.config.DeepShardConfig``)."""
+        return self._config
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (including fp16-skipped ones, as in DeepSpeed)."""
+        return self.counters.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches seen."""
+        return self.counters.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because of fp16 overflow."""
+        return self.counters.skipped_steps
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by all ranks."""
+        return self.counters.global_samples
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def memory_breakdown(self) -> bool:
+        """DeepSpeed's config flag getter (``memory_breakdown``); deepshard does not log it."""
+        return False
+
+    def get_lr(self) -> list[float]:
+        """Learning rate of every param group."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self) -> list:
+        """Momentum (``betas`` for Adam-style groups, ``momentum`` for SGD) per param group."""
+        if not self.optimizer:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the last step's gradients, when it was computed (clipping or fp16)."""
+        return self._grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary's optimizer step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+
+    # -- ZeRO and precision flags -----------------------------------------------------
+    def zero_optimization(self) -> bool:
+        """ZeRO is on (stage 1-3)."""
+        return self._config.zero_optimization.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Gradients are sharded (stage 2-3)."""
+        return self._config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Parameters are sharded (stage 3)."""
+        return self._config.zero_optimization.stage == 3
+
+    def zero_offload_optimizer(self):
+        """The ``offload_optimizer`` section, or ``None``."""
+        return self._config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self):
+        """The ``offload_param`` section, or ``None``."""
+        return self._config.zero_optimization.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        """The optimizer state lives on the CPU."""
+        offload = self._config.zero_optimization.offload_optimizer
+        return offload is not None and offload.device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save`` (what ``save_16bit_model`` needs
+        at stage 3)."""
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def amp_enabled(self) -> bool:
+        """NVIDIA apex AMP: never (deepshard has fp16/bf16 sections instead)."""
+        return False
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 with a dynamic loss scale (``fp16.loss_scale`` 0)."""
+        return self._config.fp16.enabled and self._config.fp16.loss_scale == 0
+
+    def steps_per_print(self) -> int:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        """DeepSpeed's timer flag; deepshard keeps no engine timers."""
+        return False
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename)
