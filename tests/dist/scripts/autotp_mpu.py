@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
 
-import deepshard  # noqa: E402
+import deepshard
 
 TINY = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=4, d_model=32)
 STEPS, MICRO, LR = 3, 2, 1e-2
