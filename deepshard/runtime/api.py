@@ -117,6 +117,9 @@ def _config_and_layout(source, model, mpu):
         logger.warning("%s: unknown config keys, ignored as DeepSpeed does: %s",
                        loaded.origin, ", ".join(loaded.unknown))
     _check_combination(cfg, layout, loaded.origin)
+    from .. import comm
+
+    comm.configure(deepspeed_config=cfg)  # the comms_logger section, when written
     return loaded, layout
 
 

@@ -42,6 +42,7 @@ from .engine_getters import EngineGetters
 from .loss_scaler import backward_factor, inverse_scale
 from .precision import clip_
 from .strategy import DataParallelStrategy
+from .strategy.fragments import ParamFragments
 
 logger = logging.getLogger("deepshard")
 
@@ -106,6 +107,9 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
                                       lambda: heartbeat(self.counters.global_steps))
         self.strategy.listen_outside(self._driver.on_outside)
+        fragments = ParamFragments(self.strategy, self.optimizer)
+        for p in self.strategy.params:
+            p._deepshard_strategy = fragments  # deepshard.utils.safe_get_full_*
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last one before an optimizer step (as

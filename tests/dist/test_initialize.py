@@ -237,3 +237,18 @@ def test_unknown_config_key_is_one_warning_and_a_near_miss_an_error(caplog):
     assert len(warnings) == 1 and "ignored as DeepSpeed does" in warnings[0]
     with pytest.raises(UsageError, match="did you mean 'gradient_clipping'"):
         deepshard.initialize(model=model(), config={**config, "gradient_cliping": 1.0})
+
+
+def test_comms_logger_section_configures_deepshard_comm():
+    import deepshard.comm as comm
+
+    try:
+        deepshard.initialize(model=model(), config={
+            "train_batch_size": 4, "optimizer": ADAMW,
+            "comms_logger": {"enabled": True, "prof_all": True}})
+        assert comm.comms_logger.enabled
+        comm.all_reduce(torch.ones(2))
+        assert comm.get_comm_operation_count() >= 1
+    finally:
+        comm.configure(enabled=False)
+        comm.reset_log()

@@ -54,8 +54,22 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         shared = _shared(engine, model, client_state) if rank0 else None
         fmt.save(save_dir, _manifest(engine, tag, exclude), rank=engine.global_rank,
                  shared=shared, own=own, agree=engine.agree, save_latest=save_latest)
+    if engine.global_rank == 0:
+        _write_converter(save_dir)
     heartbeat(engine.global_steps)
     return True
+
+
+def _write_converter(save_dir) -> None:
+    """DeepSpeed writes ``zero_to_fp32.py`` next to its checkpoints; so does deepshard (a
+    launcher of :mod:`deepshard.utils.zero_to_fp32`). The checkpoint is complete without
+    it, so a failure to write it is a warning."""
+    from ...utils.zero_to_fp32 import write_script
+
+    try:
+        write_script(save_dir)
+    except OSError as exc:
+        logger.warning("could not write zero_to_fp32.py into %s: %s", save_dir, exc)
 
 
 def _model_state(engine, exclude_frozen: bool) -> dict:
@@ -67,6 +81,7 @@ def _model_state(engine, exclude_frozen: bool) -> dict:
     return {
         "module": {k: v for k, v in state.items() if k not in skip},
         "state_names": list(state),
+        "frozen_names": sorted(frozen_names(module)),
         "fp32_masters": strategy.masters_by_name(module),
         "optimizer": strategy.optimizer_state(optimizer),
         "optimizer_names": strategy.optimizer_names(optimizer),

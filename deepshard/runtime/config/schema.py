@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, ValidationInfo, model_validator
 
+from deepshard.comm.config import CommsLoggerConfig
 from deepshard.errors import UsageError
 from deepshard.runtime.config.schema_base import (
     Bool,
@@ -198,7 +199,7 @@ class DeepShardConfig(Section):
         "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
         "use_data_before_expert_parallelism", "sequence_parallel_size", "allgather_size",
         "data_types", "torch_autocast", "aio", "tensorboard", "wandb", "csv_monitor", "comet",
-        "comms_logger", "autotuning", "data_efficiency", "compile", "timers",
+        "autotuning", "data_efficiency", "compile", "timers",
         "expert_parallel", "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
@@ -244,6 +245,8 @@ class DeepShardConfig(Section):
                                                 default_factory=TensorParallelConfig)
     flops_profiler: FlopsProfilerConfig = doc("FLOPs profiler options.",
                                               default_factory=FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = doc("Comms logger: time deepshard.comm collectives.",
+                                          default_factory=CommsLoggerConfig)
     checkpoint: CheckpointConfig = doc("Checkpoint options and deepshard's resume policy.",
                                        default_factory=CheckpointConfig)
 

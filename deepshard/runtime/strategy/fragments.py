@@ -1,0 +1,109 @@
+"""One parameter's whole fp32 master, gradient and optimizer state, wherever a strategy
+keeps them: what DeepSpeed's ``safe_get_full_*`` functions (:mod:`deepshard.utils`) read.
+
+Stage 0 holds everything on every rank (the fp32 master, when there is one, is a tensor of
+its own). ZeRO holds this rank's slice of each flat group: the piece of one parameter is
+all-gathered over the data-parallel group, so at stages 1-3 every rank of that group must
+make the same call (as in DeepSpeed). Gradients are the reduced ones, read between
+backward and ``step()``; with fp16 they still carry the loss scale at stage 0, as
+DeepSpeed's do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...errors import UsageError
+
+
+def stage0_full(strategy, param: torch.Tensor, what: str, optimizer=None,
+                key: str | None = None) -> torch.Tensor | None:
+    """``what`` (``"param"``, ``"grad"`` or ``"state"``) of ``param`` at stage 0."""
+    masters = strategy.masters.master_of() if strategy.masters is not None else {}
+    held = masters.get(id(param), param)
+    if what == "param":
+        return held.detach().float().clone()
+    if what == "grad":
+        i = _index(strategy, param)
+        return strategy.buckets.views[i].detach().float().clone()
+    state = optimizer.state.get(held, {}) if optimizer is not None else {}
+    value = state.get(key)
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def zero_full(strategy, param: torch.Tensor, what: str, optimizer=None,
+              key: str | None = None) -> torch.Tensor | None:
+    """``what`` of ``param`` at ZeRO stages 1-3, all-gathered from the shards."""
+    i = _index(strategy, param)
+    k = next((k for k, g in enumerate(strategy.groups) if i in g.flat.params), None)
+    if k is None:
+        return None  # frozen: no master, gradient or state
+    flat = strategy.groups[k].flat
+    j = flat.params.index(i)
+    off, n = flat.offsets[j], flat.numels[j]
+    if what == "param":
+        shard = strategy.stepper.step_tensors[k]
+    elif what == "grad":
+        shard = strategy.grads.shard_grads()[k]
+    else:
+        state = optimizer.state.get(strategy.stepper.step_tensors[k], {}) \
+            if optimizer is not None else {}
+        shard = state.get(key)
+        if not torch.is_tensor(shard) or shard.dim() == 0:
+            return shard
+    whole = _gather(shard.detach(), strategy.group, strategy.world)
+    return whole[off:off + n].float().view(getattr(param, "ds_shape", None) or param.shape)
+
+
+def _gather(shard: torch.Tensor, group, world: int) -> torch.Tensor:
+    if world == 1:
+        return shard.clone()
+    out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out
+
+
+def _index(strategy, param: torch.Tensor) -> int:
+    for i, p in enumerate(strategy.params):
+        if p is param:
+            return i
+    raise UsageError("the parameter is not one this engine trains", where="safe_get_full_*",
+                     hint="pass a parameter of engine.module that requires grad")
+
+
+class ParamFragments:
+    """What ``param._deepshard_strategy`` holds for each parameter an engine trains: its
+    strategy and optimizer, answering :mod:`deepshard.utils.tensor_fragment`'s calls."""
+
+    def __init__(self, strategy, optimizer):
+        self.strategy, self.optimizer = strategy, optimizer
+        self._full = zero_full if strategy.stage else stage0_full
+
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor | None:
+        return self._full(self.strategy, param, "param")
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        return self._full(self.strategy, param, "grad")
+
+    def full_optimizer_state(self, param: torch.Tensor, key: str):
+        return self._full(self.strategy, param, "state", self.optimizer, key)
+
+    @torch.no_grad()
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        if self.strategy.stage:
+            self._unsupported("safe_set_full_fp32_param")
+        masters = self.strategy.masters.master_of() if self.strategy.masters else {}
+        if id(param) in masters:
+            masters[id(param)].copy_(value.reshape(param.shape))
+        param.copy_(value.reshape(param.shape))
+
+    def _unsupported(self, api: str) -> None:
+        raise UsageError(f"{api} is not provided at ZeRO stage {self.strategy.stage}",
+                         where=api, hint="change the weights inside deepshard.zero."
+                                         "GatheredParameters(params, modifier_rank=0)")
+
+    def __getattr__(self, name: str):
+        if name.startswith(("set_", "local_")):
+            return lambda *args, **kwargs: self._unsupported(f"safe_{name}")
+        raise AttributeError(name)
