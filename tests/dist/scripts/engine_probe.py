@@ -117,6 +117,7 @@ def release(config_path: str) -> None:
         engine, model, loss = _train_once(config_path)
         left = _deepshard_objects() - before
         left.pop("_Beater", None)  # the heartbeat writer lives as long as the process
+        left.pop("CommsLogger", None)  # so does deepshard.comm's logger (DeepSpeed's API)
         rounds.append({"engine_freed": engine() is None, "model_freed": model() is None,
                        "left": dict(left), "loss": loss})
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "rounds": rounds}), flush=True)
