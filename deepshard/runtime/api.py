@@ -17,7 +17,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
 
 from ..contract import RESTART_COUNT
 from ..errors import UsageError, install_exit_hooks
@@ -80,7 +79,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         dp_rank=dp_rank, device=device, profiler_factory=_profiler(cfg, module, rank),
         norm_excluded=excluded, mp_group=_model_group(mpu), mpu=mpu)
     engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
-    loader = _loader(training_data, cfg, dp_world, dp_rank, collate_fn)
+    loader = None if training_data is None else engine.deepspeed_io(training_data,
+                                                                    collate_fn=collate_fn)
+    engine.training_dataloader = loader
     _maybe_resume(engine, cfg)
     return engine, opt, loader, sched
 
@@ -156,14 +157,6 @@ def _configure_activation_checkpointing(cfg, mpu, rank: int) -> None:
     notes = activation_checkpointing.configure(mpu, deepspeed_config=cfg)
     if rank == 0 and notes:
         logger.warning("activation_checkpointing: %s", "; ".join(notes))
-
-
-def _loader(training_data, cfg, dp_world: int, dp_rank: int, collate_fn):
-    if training_data is None:
-        return None
-    sampler = DistributedSampler(training_data, num_replicas=dp_world, rank=dp_rank)
-    return DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                      sampler=sampler, collate_fn=collate_fn)
 
 
 def _config_source(args, config):

@@ -168,7 +168,7 @@ def test_checkpoint_tags_latest_and_precision_changes(tmp_path):
     masters = half.strategy.masters_by_name(half.module)
     _train_one(half, torch.bfloat16)
     half.save_checkpoint(tmp_path, tag="b", save_latest=False)  # same tag again: replaced
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latest", "zero_to_fp32.py"]
     fresh = half.strategy.masters_by_name(half.module)
     full, _, _, _ = deepshard.initialize(model=model(), config=config)
     path, client = full.load_checkpoint(tmp_path, tag="b")
