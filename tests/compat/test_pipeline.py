@@ -1,0 +1,71 @@
+"""``scripts/pipeline_mlp.py`` (training/pipeline_parallelism/train.py's pattern): an MLP
+given as LayerSpecs, a 2-stage PipelineModule on 2 ranks, ``engine.train_batch(data_iter=
+iter(RepeatingLoader(loader)))`` — against the same MLP in one process.
+
+With ``seed_layers=True`` every layer is built from ``base_seed + index`` on whichever stage
+owns it, so the reference builds identical layers. One pipeline step is
+``gradient_accumulation_steps`` micro-batches (dp = 1: train_batch_size / micro); the
+reference accumulates ``loss / gas`` over them, clips the global norm at 1.0 (the default
+when the config leaves ``gradient_clipping`` out), takes one Adam step (DeepSpeed's "Adam"
+is AdamW; no weight decay here) and records the micro-batch losses' mean, which is what
+``train_batch`` returns on every stage. Each stage's weights are compared with the
+reference's layers of the same index.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from tests.compat.common import DEFAULT_CLIP, SCRIPTS, TOL, loss_diff, max_diff, run_compat
+from tests.compat.scripts.tiny_models import mlp_layer_specs, plain_spec, synthetic_vectors
+
+CONFIG = json.loads((SCRIPTS / "pipeline_config.json").read_text())
+STEPS, BASE_SEED = 4, 1234  # the script's --steps, PipelineModule's default base_seed
+
+
+def reference():
+    """Plain torch, one process: per-step mean losses and final weights."""
+    layers = []
+    for index, spec in enumerate(mlp_layer_specs(plain_spec)):
+        torch.manual_seed(BASE_SEED + index)
+        layers.append(spec.build())
+    net = nn.Sequential(*layers)
+    params = CONFIG["optimizer"]["params"]
+    opt = torch.optim.AdamW(net.parameters(), lr=params["lr"], betas=params["betas"],
+                            eps=params["eps"], weight_decay=0.0)
+    batch, micro = CONFIG["train_batch_size"], CONFIG["train_micro_batch_size_per_gpu"]
+    gas = batch // micro
+    x, y = synthetic_vectors(batch * STEPS).tensors
+    criterion = nn.CrossEntropyLoss()
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        micro_losses = []
+        for m in range(gas):
+            start = step * batch + m * micro
+            loss = criterion(net(x[start:start + micro]), y[start:start + micro])
+            (loss / gas).backward()
+            micro_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(net.parameters(), DEFAULT_CLIP)
+        opt.step()
+        losses.append(sum(micro_losses) / gas)
+    return losses, net.state_dict()
+
+
+def test_two_stage_pipeline_matches_one_process(tmp_path):
+    ranks = run_compat("pipeline_mlp.py", tmp_path, "--deepspeed_config",
+                       str(SCRIPTS / "pipeline_config.json"), "--steps", str(STEPS))
+    want_losses, want_state = reference()
+    owned = set()
+    for rank, saved in enumerate(ranks):
+        assert saved["stage"] == rank
+        assert loss_diff(saved["losses"], want_losses) < TOL, (rank, saved["losses"],
+                                                               want_losses)
+        state = saved["state"]
+        owned |= set(state)
+        diff, where = max_diff(state, {k: want_state[k] for k in state})
+        assert diff < TOL, (rank, where, diff)
+    assert owned == set(want_state)  # the two stages hold the whole model between them
