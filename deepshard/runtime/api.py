@@ -79,9 +79,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         dp_rank=dp_rank, device=device, profiler_factory=_profiler(cfg, module, rank),
         norm_excluded=excluded, mp_group=_model_group(mpu), mpu=mpu)
     engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
-    loader = None if training_data is None else engine.deepspeed_io(training_data,
-                                                                    collate_fn=collate_fn)
-    engine.training_dataloader = loader
+    loader = None if training_data is None else engine.training_loader(training_data,
+                                                                       collate_fn)
     _maybe_resume(engine, cfg)
     return engine, opt, loader, sched
 

@@ -104,6 +104,7 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._prescaled = False
+        self.training_dataloader = None
         self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
                                       lambda: heartbeat(self.counters.global_steps))
         self.strategy.listen_outside(self._driver.on_outside)
@@ -359,6 +360,12 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
                           self._config.train_micro_batch_size_per_gpu, sampler=sampler,
                           collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
                           pin_memory=pin_memory and torch.cuda.is_available())
+
+    def training_loader(self, dataset, collate_fn=None):
+        """The loader ``initialize(training_data=dataset)`` returns (and keeps as
+        ``training_dataloader``)."""
+        self.training_dataloader = self.deepspeed_io(dataset, collate_fn=collate_fn)
+        return self.training_dataloader
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free ZeRO-3 parameters left gathered. Nothing is: deepshard

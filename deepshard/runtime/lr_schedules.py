@@ -406,6 +406,11 @@ class OneCycle(_DeepSpeedSchedule):
             self._set_momentum(moms)
 
 
+# DeepSpeed's names of the schedule types (Accelerate reads VALID_LR_SCHEDULES)
+LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR = "LRRangeTest", "OneCycle", "WarmupLR"
+WARMUP_DECAY_LR, WARMUP_COSINE_LR = "WarmupDecayLR", "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+
 SCHEDULERS: Mapping[str, type[LRScheduler]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,

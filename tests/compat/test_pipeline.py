@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,9 +56,11 @@ def reference():
     return losses, net.state_dict()
 
 
-def test_two_stage_pipeline_matches_one_process(tmp_path):
+@pytest.mark.parametrize("source", ["data_iter", "training_data"])
+def test_two_stage_pipeline_matches_one_process(tmp_path, source):
+    extra = ["--training_data"] if source == "training_data" else []
     ranks = run_compat("pipeline_mlp.py", tmp_path, "--deepspeed_config",
-                       str(SCRIPTS / "pipeline_config.json"), "--steps", str(STEPS))
+                       str(SCRIPTS / "pipeline_config.json"), "--steps", str(STEPS), *extra)
     want_losses, want_state = reference()
     owned = set()
     for rank, saved in enumerate(ranks):

@@ -93,8 +93,6 @@ def test_client_optimizer_steps_fp32_masters_under_bf16():
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [
-    ({"config": {"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW},
-      "optimizer": "client"}, "optimizer: an optimizer is given both in the config"),
     ({"config": {"train_micro_batch_size_per_gpu": 1}, "args": "with-config"},
      "a config was given both as --deepspeed_config and as config="),
     ({}, "no DeepSpeed config given"),
@@ -103,8 +101,6 @@ def test_client_optimizer_steps_fp32_masters_under_bf16():
 ])
 def test_usage_errors_are_catchable_one_line_errors(tmp_path, kwargs, fragment):
     net = model()
-    if kwargs.get("optimizer") == "client":
-        kwargs["optimizer"] = torch.optim.SGD(net.parameters(), lr=0.1)
     if kwargs.get("args") == "with-config":
         path = tmp_path / "ds.json"
         path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
@@ -252,3 +248,16 @@ def test_comms_logger_section_configures_deepshard_comm():
     finally:
         comm.configure(enabled=False)
         comm.reset_log()
+
+
+def test_client_optimizer_wins_over_the_config_section_with_one_warning(caplog):
+    # DeepSpeedExamples' GAN and ImageNet scripts pass optimizer= with an optimizer section
+    net = model()
+    client = torch.optim.SGD(net.parameters(), lr=0.125)
+    with caplog.at_level("WARNING", logger="deepshard"):
+        _, opt, _, _ = deepshard.initialize(
+            model=net, optimizer=client,
+            config={"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW})
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 0.125
+    assert sum("optimizer section (AdamW) is ignored" in r.getMessage()
+               for r in caplog.records) == 1

@@ -6,22 +6,31 @@ masters, or this rank's ZeRO shards."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from ...errors import UsageError
 from ..optim import build_optimizer
 
 WHERE = "initialize(model_parameters=...)"
+logger = logging.getLogger("deepshard")
 
 
-def check_one_optimizer(cfg, client) -> None:
-    """The config's optimizer section or ``optimizer=``, not both; a client optimizer
-    must be fresh (deepshard re-points its parameters) or a callable that builds one."""
+def check_one_optimizer(cfg, client):
+    """The config to build the optimizer from: with ``optimizer=`` given, the client's
+    wins and the config's ``optimizer`` section is ignored with one warning (DeepSpeed
+    ignores it silently; DeepSpeedExamples' GAN and ImageNet scripts have both). A client
+    optimizer must be fresh (deepshard re-points its parameters) or a callable that
+    builds one."""
     if cfg.optimizer is not None and client is not None:
-        raise UsageError("an optimizer is given both in the config and as optimizer=",
-                         where="optimizer", hint="remove one of them")
+        if dist.is_initialized() and dist.get_rank() == 0:
+            logger.warning("the config's optimizer section (%s) is ignored: optimizer= "
+                           "was given to initialize, and it is used (as DeepSpeed does)",
+                           cfg.optimizer.type)
+        cfg = cfg.model_copy(update={"optimizer": None})
     if isinstance(client, torch.optim.Optimizer):
         if client.state:
             raise UsageError("the client optimizer already has state",
@@ -33,6 +42,7 @@ def check_one_optimizer(cfg, client) -> None:
                          where="initialize(optimizer=...)",
                          hint="pass a torch.optim.Optimizer, or a callable that builds one "
                               "from the parameters")
+    return cfg
 
 
 def source_groups(client, model_parameters, params: Sequence[torch.nn.Parameter]

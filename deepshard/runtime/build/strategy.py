@@ -21,7 +21,7 @@ def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group
     """The strategy for this rank and the optimizer stepping what it holds (``replaced``:
     the parameters preparing the module built in place of the user's, by the id of the
     user's)."""
-    check_one_optimizer(cfg, client)
+    cfg = check_one_optimizer(cfg, client)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     source = source_groups(client, model_parameters, params)

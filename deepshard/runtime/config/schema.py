@@ -198,6 +198,7 @@ class DeepShardConfig(Section):
         "zero_force_ds_cpu_optimizer", "gradient_allreduce_op", "managed_gradient_accumulation",
         "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
         "use_data_before_expert_parallelism", "sequence_parallel_size", "allgather_size",
+        "data_parallel_size",
         "data_types", "torch_autocast", "aio", "tensorboard", "wandb", "csv_monitor", "comet",
         "autotuning", "data_efficiency", "compile", "timers",
         "expert_parallel", "hybrid_engine",

@@ -73,6 +73,41 @@ class PipelineEngine(DeepShardEngine):
         self.stage_id = parts.module.stage_id
         self.num_stages = parts.module.num_stages
         self.last_batch_timing: dict[str, float] = {}
+        self.data_iterator = None
+        self.batch_fn = None
+
+    # -- DeepSpeed's data plumbing -------------------------------------------------------
+    def training_loader(self, dataset, collate_fn=None):
+        """``initialize(training_data=...)``: as DeepSpeed's pipeline engine, this rank's
+        share in order (no shuffle), repeating, and what ``train_batch()`` draws from when
+        it is given no iterator."""
+        from torch.utils.data import DistributedSampler
+
+        from ..utils import RepeatingLoader
+
+        sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size,
+                                     rank=self.dp_rank, shuffle=False)
+        loader = RepeatingLoader(self.deepspeed_io(dataset, data_sampler=sampler,
+                                                   collate_fn=collate_fn))
+        self.set_dataloader(loader)
+        return loader
+
+    def set_dataloader(self, loader) -> None:
+        """Draw ``train_batch()``'s micro-batches from ``loader`` (first and last stages)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator) -> None:
+        """Draw ``train_batch()``'s micro-batches from ``iterator`` (first and last stages)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def set_batch_fn(self, fn) -> None:
+        """Apply ``fn`` to every micro-batch read, before it is split into inputs and
+        labels (DeepSpeed's)."""
+        self.batch_fn = fn
 
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -91,9 +126,13 @@ class PipelineEngine(DeepShardEngine):
         last labels). Returns the mean loss over the whole batch (every data-parallel
         replica), on every stage."""
         module: PipelineModule = self.module
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        data_iter = self.data_iterator
         if (self.is_first_stage() or self.is_last_stage()) and data_iter is None:
             raise UsageError("train_batch() needs data_iter on the first and last stages",
-                             where="engine.train_batch", hint="pass iter(your_loader)")
+                             where="engine.train_batch",
+                             hint="pass iter(your_loader), or training_data= to initialize")
         if self.is_last_stage() and module.loss_fn is None:
             raise UsageError("the PipelineModule has no loss_fn", where="PipelineModule",
                              hint="build it with loss_fn=<function(outputs, labels)>")
@@ -283,6 +322,8 @@ class PipelineEngine(DeepShardEngine):
 
     def _load(self, data_iter, mb: int, inputs: dict, labels: dict) -> None:
         batch = next(data_iter) if data_iter is not None else None
+        if batch is not None and self.batch_fn is not None:
+            batch = self.batch_fn(batch)
         if self.is_first_stage():
             inputs[mb] = _to(batch[0], self.device)
         if self.is_last_stage():

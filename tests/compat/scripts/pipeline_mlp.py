@@ -8,6 +8,7 @@ With --out_dir, every rank saves the losses train_batch returned and its stage's
 """
 
 import argparse
+import json
 import os
 
 import deepspeed
@@ -28,6 +29,9 @@ def get_args():
                         help="pipeline parallelism")
     parser.add_argument("--backend", type=str, default="gloo", help="distributed backend")
     parser.add_argument("--seed", type=int, default=1138, help="PRNG seed")
+    parser.add_argument("--training_data", action="store_true",
+                        help="give initialize the dataset and call train_batch() with no "
+                             "iterator, as DeepSpeedExamples' pipeline_parallelism/train.py")
     parser.add_argument("--out_dir", default=None, type=str,
                         help="where each rank saves its losses and final weights")
     parser = deepspeed.add_config_arguments(parser)
@@ -49,16 +53,19 @@ def train_pipe(args):
                          seed_fn=torch.manual_seed,
                          activation_checkpoint_interval=0)
 
+    with open(args.deepspeed_config) as f:
+        samples = json.load(f)["train_batch_size"] * args.steps
+    trainset = synthetic_vectors(samples)
     engine, _, _, _ = deepspeed.initialize(
         args=args,
         model=net,
-        model_parameters=[p for p in net.parameters() if p.requires_grad])
+        model_parameters=[p for p in net.parameters() if p.requires_grad],
+        training_data=trainset if args.training_data else None)
 
     # Every stage iterates the same loader: the first uses the inputs, the last the labels.
-    trainset = synthetic_vectors(engine.train_batch_size() * args.steps)
     loader = DataLoader(trainset, batch_size=engine.train_micro_batch_size_per_gpu(),
                         shuffle=False)
-    data_iter = iter(RepeatingLoader(loader))
+    data_iter = None if args.training_data else iter(RepeatingLoader(loader))
 
     losses = []
     for step in range(args.steps):
