@@ -33,6 +33,9 @@ Peers:
     deepshard-zN[-offload]  deepshard.initialize with the same config dict as its DeepSpeed
                             twin. A stage deepshard does not implement yet makes a row
                             ``failed: <its error line>``; the other peers still run.
+    *-zN-torchbwd           the same engine driven PyTorch-style: ``loss.backward()`` then
+                            ``engine.step()`` (DeepSpeed 0.19.8 accepts it at ZeRO 1-3, not at
+                            stage 0): what the engine's output hooks cost
 
 What DeepSpeed 0.19.8 needs on CPU: nothing in the config. The workers get
 ``DS_ACCELERATOR=cpu``, as train.py's do, which only spares the probe (without it DeepSpeed
@@ -114,6 +117,8 @@ class Peer:
     offload: bool = False
     """Optimizer states (and for stage 3 the parameters) on the CPU, DeepSpeed-style."""
     fused: bool = False
+    torch_backward: bool = False
+    """``loss.backward()`` instead of ``engine.backward(loss)``."""
 
     @property
     def same_math(self) -> bool:
@@ -154,6 +159,10 @@ def _peers() -> dict[str, Peer]:
         where = ", offload optimizer" + (" + params" if stage == 3 else "") if offload else ""
         peers += [Peer(f"{runtime}-{suffix}", runtime, f"stage {stage}{where}", stage, offload)
                   for runtime in ("deepspeed", "deepshard")]
+    peers += [Peer(f"{runtime}-z{stage}-torchbwd", runtime, f"stage {stage}, loss.backward()",
+                   stage, torch_backward=True)
+              for stage in (0, 2) for runtime in ("deepspeed", "deepshard")
+              if (runtime, stage) != ("deepspeed", 0)]  # DeepSpeed refuses it at stage 0
     return {p.name: p for p in peers}
 
 
@@ -221,7 +230,10 @@ def _build_engine(peer: Peer, model):
 
     def train_step(x, y):
         loss = engine(x, y)
-        engine.backward(loss)
+        if peer.torch_backward:
+            loss.backward()
+        else:
+            engine.backward(loss)
         engine.step()
         return loss.detach()
 
