@@ -10,7 +10,23 @@ import sys
 
 from deepshard.launcher.compat import SHIM_DIR
 
-NAMES = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "PipelineEngine", "PipelineModule", "get_accelerator", "log_dist", "logger", "zero.Init", "zero.GatheredParameters", "checkpointing.checkpoint", "comm.get_rank", "comm.get_world_size", "comm.get_local_rank", "comm.get_global_rank", "comm.barrier", "comm.all_reduce", "comm.is_initialized", "comm.log_summary", "accelerator.get_accelerator", "pipe.PipelineModule", "pipe.LayerSpec", "pipe.TiedLayerSpec", "utils.RepeatingLoader", "utils.safe_get_full_fp32_param", "utils.safe_get_full_grad", "utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint", "utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", "ops.adam.FusedAdam", "ops.adam.DeepSpeedCPUAdam", "ops.lamb.FusedLamb", "runtime.utils.set_random_seed", "runtime.utils.see_memory_usage", "profiling.flops_profiler.get_model_profile", "runtime.engine.DeepSpeedEngine", "runtime.pipe.engine.PipelineEngine", "runtime.zero.partition_parameters.ZeroParamStatus", "runtime.lr_schedules.WarmupLR", "runtime.lr_schedules.VALID_LR_SCHEDULES", "checkpoint.utils.clone_tensors_for_torch_save", "moe.utils.split_params_into_different_moe_groups_for_optimizer"]
+NAMES = [
+    "initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
+    "PipelineEngine", "PipelineModule", "get_accelerator", "log_dist", "logger", "zero.Init",
+    "zero.GatheredParameters", "checkpointing.checkpoint", "comm.get_rank",
+    "comm.get_world_size", "comm.get_local_rank", "comm.get_global_rank", "comm.barrier",
+    "comm.all_reduce", "comm.is_initialized", "comm.log_summary",
+    "accelerator.get_accelerator", "pipe.PipelineModule", "pipe.LayerSpec",
+    "pipe.TiedLayerSpec", "utils.RepeatingLoader", "utils.safe_get_full_fp32_param",
+    "utils.safe_get_full_grad", "utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
+    "utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", "ops.adam.FusedAdam",
+    "ops.adam.DeepSpeedCPUAdam", "ops.lamb.FusedLamb", "runtime.utils.set_random_seed",
+    "runtime.utils.see_memory_usage", "profiling.flops_profiler.get_model_profile",
+    "runtime.engine.DeepSpeedEngine", "runtime.pipe.engine.PipelineEngine",
+    "runtime.zero.partition_parameters.ZeroParamStatus", "runtime.lr_schedules.WarmupLR",
+    "runtime.lr_schedules.VALID_LR_SCHEDULES", "checkpoint.utils.clone_tensors_for_torch_save",
+    "moe.utils.split_params_into_different_moe_groups_for_optimizer",
+]
 
 PROBE = """
 import importlib, json, sys
