@@ -55,7 +55,7 @@ def test_an_error_inside_an_autograd_hook_is_one_line_and_exit_2(tmp_path):
     result = run_ds("--num_gpus", "2", SCRIPT, "outside-backward", str(tmp_path), timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = _errors(result.stderr)
-    assert lines and all("got a gradient outside engine.backward()" in x for x in lines)
+    assert lines and all("got a gradient outside any engine's backward" in x for x in lines)
     assert "Traceback" not in result.stderr
 
 
@@ -72,7 +72,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_tag(tmp_pat
             assert f"error: {ckpt}/.big.partial/model_states.pt: cannot write the checkpoint: " \
                    "No space left on device. HINT: free space" in line
         assert "Traceback" not in full.stderr
-        assert sorted(p.name for p in ckpt.iterdir()) == ["good", "latest"]
+        assert sorted(p.name for p in ckpt.iterdir()) == ["good", "latest", "zero_to_fp32.py"]
         assert (ckpt / "latest").read_text() == "good"
         assert set(deepshard.get_fp32_state_dict(ckpt)) == {"weight", "bias"}
 
@@ -88,5 +88,5 @@ def test_a_read_only_file_system_fails_the_save_with_one_line(tmp_path):
         lines = _errors(again.stderr)
         assert lines and all("cannot write the checkpoint: Read-only file system" in x
                              for x in lines)
-        assert sorted(p.name for p in ckpt.iterdir()) == ["good", "latest"]
+        assert sorted(p.name for p in ckpt.iterdir()) == ["good", "latest", "zero_to_fp32.py"]
         assert set(deepshard.get_fp32_state_dict(ckpt)) == {"weight", "bias"}

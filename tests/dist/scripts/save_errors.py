@@ -6,8 +6,9 @@ Modes (argv[1], the checkpoint directory argv[2]):
   left to the worker's exception hook;
 - ``caught <dir>``: save with a bad tag inside ``try``/``except UsageError`` and report
   the error's text, then train on (the process must not have exited);
-- ``outside-backward <dir>``: call ``loss.backward()`` instead of ``engine.backward`` (the
-  error is raised inside an autograd hook) and leave it uncaught.
+- ``outside-backward <dir>``: call ``loss.backward()`` on a loss computed by the raw
+  ``engine.module`` (no engine output in its graph, so no engine's backward: the error is
+  raised inside an autograd hook) and leave it uncaught.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main(mode: str, directory: str, *rest: str) -> None:
         step(engine)
         result["steps"] = engine.global_steps
     elif mode == "outside-backward":
-        engine(torch.randn(2, 16)).pow(2).mean().backward()
+        engine.module(torch.randn(2, 16)).pow(2).mean().backward()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
