@@ -27,10 +27,10 @@ CONFIG = json.loads((SCRIPTS / "pipeline_config.json").read_text())
 STEPS, BASE_SEED = 4, 1234  # the script's --steps, PipelineModule's default base_seed
 
 
-def reference():
+def reference(relu_at_split: bool = False):
     """Plain torch, one process: per-step mean losses and final weights."""
     layers = []
-    for index, spec in enumerate(mlp_layer_specs(plain_spec)):
+    for index, spec in enumerate(mlp_layer_specs(plain_spec, relu_at_split=relu_at_split)):
         torch.manual_seed(BASE_SEED + index)
         layers.append(spec.build())
     net = nn.Sequential(*layers)
@@ -56,12 +56,13 @@ def reference():
     return losses, net.state_dict()
 
 
-@pytest.mark.parametrize("source", ["data_iter", "training_data"])
-def test_two_stage_pipeline_matches_one_process(tmp_path, source):
-    extra = ["--training_data"] if source == "training_data" else []
+@pytest.mark.parametrize("variant", ["data_iter", "training_data", "relu_at_split"])
+def test_two_stage_pipeline_matches_one_process(tmp_path, variant):
+    extra = {"training_data": ["--training_data"],
+             "relu_at_split": ["--relu_at_split"]}.get(variant, [])
     ranks = run_compat("pipeline_mlp.py", tmp_path, "--deepspeed_config",
                        str(SCRIPTS / "pipeline_config.json"), "--steps", str(STEPS), *extra)
-    want_losses, want_state = reference()
+    want_losses, want_state = reference(relu_at_split=variant == "relu_at_split")
     owned = set()
     for rank, saved in enumerate(ranks):
         assert saved["stage"] == rank

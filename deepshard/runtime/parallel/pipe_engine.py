@@ -175,7 +175,10 @@ class PipelineEngine(DeepShardEngine):
     def _train_forward(self, b: _Batch, mb: int) -> None:
         t0 = time.perf_counter()
         module: PipelineModule = self.module
-        out = module(b.inputs[mb])
+        x = b.inputs[mb]
+        # a received activation is a leaf that requires grad: the stage gets a copy, which
+        # its first layer may change in place (an nn.ReLU(inplace=True), as DeepSpeed's)
+        out = module(x.clone() if x.is_leaf and x.requires_grad else x)
         if self.is_last_stage():
             loss = module.loss_fn(out, b.labels.pop(mb))
             b.losses.append(loss.detach().float())

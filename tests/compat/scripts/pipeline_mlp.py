@@ -29,6 +29,8 @@ def get_args():
                         help="pipeline parallelism")
     parser.add_argument("--backend", type=str, default="gloo", help="distributed backend")
     parser.add_argument("--seed", type=int, default=1138, help="PRNG seed")
+    parser.add_argument("--relu_at_split", action="store_true",
+                        help="stage 1 starts with an in-place ReLU (uniform partition)")
     parser.add_argument("--training_data", action="store_true",
                         help="give initialize the dataset and call train_batch() with no "
                              "iterator, as DeepSpeedExamples' pipeline_parallelism/train.py")
@@ -45,10 +47,10 @@ def train_pipe(args):
     # seed_layers: each layer is built from base_seed + its index, whichever stage owns it
     # (seed_fn: DeepSpeed 0.19.8's default seeds Python's random with a numpy integer,
     # which Python 3.11 refuses)
-    net = PipelineModule(layers=mlp_layer_specs(LayerSpec),
+    net = PipelineModule(layers=mlp_layer_specs(LayerSpec, relu_at_split=args.relu_at_split),
                          loss_fn=torch.nn.CrossEntropyLoss(),
                          num_stages=args.pipeline_parallel_size,
-                         partition_method="parameters",
+                         partition_method="uniform" if args.relu_at_split else "parameters",
                          seed_layers=True,
                          seed_fn=torch.manual_seed,
                          activation_checkpoint_interval=0)

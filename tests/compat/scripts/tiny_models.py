@@ -38,13 +38,19 @@ def synthetic_images(count, seed=1234):
     return TensorDataset(images, labels)
 
 
-def mlp_layer_specs(LayerSpec, width=16, depth=4, inputs=8, classes=4):
+def mlp_layer_specs(LayerSpec, width=16, depth=4, inputs=8, classes=4, relu_at_split=False):
     """The pipeline MLP as ``[LayerSpec(...), ...]``: Linear/ReLU pairs, then a classifier.
     ``LayerSpec`` is passed in: deepspeed.pipe's in the script, :func:`plain_spec` in the
-    reference."""
-    layers = [LayerSpec(nn.Linear, inputs, width), LayerSpec(nn.ReLU)]
+    reference. ``relu_at_split``: one more Linear as layer 3, so that the in-place ReLU
+    after it is layer 4, where a 2-stage uniform partition starts stage 1: that stage
+    works in place on the activation it received."""
+    # in-place ReLUs, as AlexNet's in DeepSpeedExamples' pipeline script: a stage may start
+    # with one, working on the activation it received
+    layers = [LayerSpec(nn.Linear, inputs, width), LayerSpec(nn.ReLU, True)]
     for _ in range(depth - 2):
-        layers += [LayerSpec(nn.Linear, width, width), LayerSpec(nn.ReLU)]
+        layers += [LayerSpec(nn.Linear, width, width), LayerSpec(nn.ReLU, True)]
+    if relu_at_split:
+        layers.insert(3, LayerSpec(nn.Linear, width, width))
     return [*layers, LayerSpec(nn.Linear, width, classes)]
 
 
