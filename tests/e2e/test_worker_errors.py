@@ -90,3 +90,13 @@ def test_a_read_only_file_system_fails_the_save_with_one_line(tmp_path):
                              for x in lines)
         assert sorted(p.name for p in ckpt.iterdir()) == ["good", "latest", "zero_to_fp32.py"]
         assert set(deepshard.get_fp32_state_dict(ckpt)) == {"weight", "bias"}
+
+
+def test_ranks_saving_into_different_directories_is_one_line(tmp_path):
+    # DeepSpeed 0.19.8 writes such a checkpoint split over the directories
+    result = run_ds("--num_gpus", "2", SCRIPT, "per-rank-dir", str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = _errors(result.stderr)
+    assert lines and all(f"rank 0 saves into {tmp_path}/rank0 but rank 1 into "
+                         f"{tmp_path}/rank1" in x for x in lines)
+    assert "Traceback" not in result.stderr and not list(tmp_path.iterdir())

@@ -34,6 +34,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     """``engine.save_checkpoint`` (see there)."""
     exclude = bool(exclude_frozen_parameters)
     tag = fmt.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    _same_directory_everywhere(engine, save_dir)
     topology = engine.topology
     if topology is None and engine.mp_group is not None:
         raise UsageError("checkpoints of a model split by a user's mpu are not supported",
@@ -58,6 +59,22 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         _write_converter(save_dir)
     heartbeat(engine.global_steps)
     return True
+
+
+def _same_directory_everywhere(engine, save_dir) -> None:
+    """Every rank names the same ``save_dir`` (a directory named from each rank's clock,
+    as DeepSpeedExamples' HelloDeepSpeed does, differs between ranks now and then:
+    DeepSpeed then writes a checkpoint split over two directories)."""
+    if engine.world_size == 1:
+        return
+    everyone: list[str | None] = [None] * engine.world_size
+    torch.distributed.all_gather_object(everyone, str(save_dir))
+    other = next((r for r, d in enumerate(everyone) if d != everyone[0]), None)
+    if other is not None:
+        raise UsageError(f"rank 0 saves into {everyone[0]} but rank {other} into "
+                         f"{everyone[other]}", where="engine.save_checkpoint",
+                         hint="pass every rank the same save_dir (make a name from the "
+                              "clock on rank 0 and broadcast it)")
 
 
 def _write_converter(save_dir) -> None:

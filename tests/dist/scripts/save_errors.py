@@ -8,7 +8,9 @@ Modes (argv[1], the checkpoint directory argv[2]):
   the error's text, then train on (the process must not have exited);
 - ``outside-backward <dir>``: call ``loss.backward()`` on a loss computed by the raw
   ``engine.module`` (no engine output in its graph, so no engine's backward: the error is
-  raised inside an autograd hook) and leave it uncaught.
+  raised inside an autograd hook) and leave it uncaught;
+- ``per-rank-dir <dir>``: every rank saves into ``<dir>/rank<N>`` (a name made from each
+  rank's own state), uncaught.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(mode: str, directory: str, *rest: str) -> None:
             result["caught"] = str(exc)
         step(engine)
         result["steps"] = engine.global_steps
+    elif mode == "per-rank-dir":
+        engine.save_checkpoint(f"{directory}/rank{dist.get_rank()}")
     elif mode == "outside-backward":
         engine.module(torch.randn(2, 16)).pow(2).mean().backward()
     if dist.get_rank() == 0:
