@@ -54,6 +54,15 @@ class Sessions:
 SESSIONS = Sessions()
 
 
+def outside_error(name: str) -> UsageError:
+    """A parameter got a gradient while no engine listens for one (a strategy used
+    without an engine)."""
+    return UsageError(f"{name} got a gradient outside engine.backward()",
+                      where="loss.backward()",
+                      hint="call engine.backward(loss), or loss.backward() on a loss "
+                           "computed from engine(...) outputs")
+
+
 def current_graph() -> int:
     """The running autograd pass (``-1`` outside backward)."""
     return torch._C._current_graph_task_id()

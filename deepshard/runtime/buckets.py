@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
+from .backward import outside_error
 from .hooks import weak_hook
 
 # DDP's default bucket: big enough to amortise a collective, small enough to overlap backward.
@@ -178,10 +179,7 @@ class GradBuckets:
                 hint="call this engine's step() before a backward that reaches its "
                      "parameters through another engine or its raw module")
         if self.outside is None:
-            raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
-                             where="loss.backward()",
-                             hint="call engine.backward(loss), or loss.backward() on a loss "
-                                  "computed from engine(...) outputs")
+            raise outside_error(self.names[i])
         self.outside()
 
     def _launch(self, b: int) -> None:

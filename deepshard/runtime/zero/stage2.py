@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from ..backward import outside_error
 from ..hooks import weak_hook
 from .comm import reduce_by_all_reduce, reduce_into_shard
 from .flat import FlatGroup
@@ -186,10 +187,7 @@ class Stage2Grads:
     def _on_grad(self, param: torch.Tensor, i: int) -> None:
         if not self._active:
             if self.outside is None:
-                raise UsageError(f"{self.names[i]} got a gradient outside engine.backward()",
-                                 where="loss.backward()",
-                                 hint="call engine.backward(loss), or loss.backward() on a "
-                                      "loss computed from engine(...) outputs")
+                raise outside_error(self.names[i])
             self.outside()
         if self._passive:
             self.unreduced = True
