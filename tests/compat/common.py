@@ -16,15 +16,18 @@ DEFAULT_CLIP = 1.0  # gradient_clipping when a config leaves it out (DeepSpeed 0
 
 
 def run_compat(script: str, out_dir: Path, *args: str, world: int = 2,
-               threads: int | None = None) -> list[dict]:
+               threads: int | None = None, output: list | None = None) -> list[dict]:
     """Run ``scripts/<script>`` unchanged on ``world`` gloo CPU ranks with ``import
     deepspeed`` resolving to deepshard; returns what each rank saved in ``out_dir``.
-    ``threads``: each worker's OMP_NUM_THREADS (default: ds-run's, cores / workers)."""
+    ``threads``: each worker's OMP_NUM_THREADS (default: ds-run's, cores / workers);
+    ``output``: a list the job's stdout is appended to."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     result = run_ds("--num_gpus", str(world), "--deepspeed_compat", str(SCRIPTS / script),
                     *args, "--out_dir", str(out_dir), env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+    if output is not None:
+        output.append(result.stdout)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 

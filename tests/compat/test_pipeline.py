@@ -60,9 +60,16 @@ def reference(relu_at_split: bool = False):
 def test_two_stage_pipeline_matches_one_process(tmp_path, variant):
     extra = {"training_data": ["--training_data"],
              "relu_at_split": ["--relu_at_split"]}.get(variant, [])
+    stdout: list[str] = []
     ranks = run_compat("pipeline_mlp.py", tmp_path, "--deepspeed_config",
-                       str(SCRIPTS / "pipeline_config.json"), "--steps", str(STEPS), *extra)
+                       str(SCRIPTS / "pipeline_config.json"), "--steps", str(STEPS), *extra,
+                       output=stdout)
     want_losses, want_state = reference(relu_at_split=variant == "relu_at_split")
+    # DeepSpeed's pipeline progress line, every steps_per_print (2) steps, on rank 0
+    progress = [line.split("] ", 1)[1] for line in stdout[0].splitlines()
+                if "] steps: " in line]
+    assert [p.split(" iter time")[0] for p in progress] == [
+        f"steps: {s} loss: {want_losses[s - 1]:0.4f}" for s in (2, 4)]
     owned = set()
     for rank, saved in enumerate(ranks):
         assert saved["stage"] == rank

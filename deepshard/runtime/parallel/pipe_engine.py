@@ -75,6 +75,7 @@ class PipelineEngine(DeepShardEngine):
         self.last_batch_timing: dict[str, float] = {}
         self.data_iterator = None
         self.batch_fn = None
+        self._batch_seconds = 0.0
 
     # -- DeepSpeed's data plumbing -------------------------------------------------------
     def training_loader(self, dataset, collate_fn=None):
@@ -170,7 +171,21 @@ class PipelineEngine(DeepShardEngine):
             "busy_s": b.forward_s + b.backward_s, "forward_s": b.forward_s,
             "backward_s": b.backward_s}
         heartbeat(self.counters.global_steps)
+        self._print_progress(mean)
         return mean
+
+    def _print_progress(self, mean: torch.Tensor) -> None:
+        """DeepSpeed's pipeline progress line on rank 0 every ``steps_per_print`` steps,
+        timed over the ``train_batch`` calls since the last one."""
+        self._batch_seconds += self.last_batch_timing["total_s"]
+        every = self._config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        iter_time, self._batch_seconds = self._batch_seconds / every, 0.0
+        if self.global_rank == 0:
+            print(f"steps: {self.global_steps} loss: {float(mean):0.4f} iter time (s): "
+                  f"{iter_time:0.3f} samples/sec: {self.train_batch_size() / iter_time:0.3f}",
+                  flush=True)
 
     def _train_forward(self, b: _Batch, mb: int) -> None:
         t0 = time.perf_counter()
