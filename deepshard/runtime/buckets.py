@@ -20,7 +20,7 @@ already the mean: no division pass after communication.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,9 +108,6 @@ class GradBuckets:
         self._armed = False
         self._reduced = False  # the buffers hold reduced gradients (since the last zero)
         self.unreduced = False  # local gradients arrived since the last reduction
-        # called when a gradient arrives while no backward of ours is active: it begins
-        # one (another engine's backward reached our parameters) or raises
-        self.outside: Callable[[], None] | None = None
         self._ready = [False] * len(self.params)
         self._pending: list[int] = []
         self._next = 0
@@ -151,7 +148,7 @@ class GradBuckets:
 
     def _on_grad(self, param: torch.Tensor, i: int, b: int) -> None:
         if not self._active:
-            self._outside(i)
+            raise outside_error(self.names[i])
         self.unreduced = True
         view = self.views[i]
         if param.grad is not view:
@@ -170,17 +167,6 @@ class GradBuckets:
         while self._next < len(self.layouts) and self._pending[self._next] == 0:
             self._launch(self._next)
             self._next += 1
-
-    def _outside(self, i: int) -> None:
-        if self._reduced:  # the gradient is already added to a reduced buffer
-            raise UsageError(
-                f"{self.names[i]} got a gradient from another backward after this engine "
-                "reduced its gradients for the step", where="loss.backward()",
-                hint="call this engine's step() before a backward that reaches its "
-                     "parameters through another engine or its raw module")
-        if self.outside is None:
-            raise outside_error(self.names[i])
-        self.outside()
 
     def _launch(self, b: int) -> None:
         if self.world == 1:

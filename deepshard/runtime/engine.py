@@ -39,6 +39,7 @@ from ..liveness import heartbeat
 from .backward import BackwardDriver
 from .checkpoint import engine_io
 from .engine_getters import EngineGetters
+from .hooks import weak_hook
 from .loss_scaler import backward_factor, inverse_scale
 from .precision import clip_
 from .strategy import DataParallelStrategy
@@ -107,7 +108,8 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         self.training_dataloader = None
         self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
                                       lambda: heartbeat(self.counters.global_steps))
-        self.strategy.listen_outside(self._driver.on_outside)
+        self._grad_hooks = [p.register_hook(weak_hook(self._driver.param_grad))
+                            for p in self.strategy.params]
         fragments = ParamFragments(self.strategy, self.optimizer)
         for p in self.strategy.params:
             p._deepshard_strategy = fragments  # deepshard.utils.safe_get_full_*
@@ -145,22 +147,20 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
 
     # -- training ------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """The module's forward (profiled at ``flops_profiler.profile_step`` on rank 0).
-
-        Its outputs carry gradient hooks, so that ``loss.backward()`` on a loss computed
-        from them does what ``engine.backward(loss)`` does (:mod:`..backward`)."""
+        """The module's forward (profiled at ``flops_profiler.profile_step`` on rank 0)."""
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
-        edges = self._driver.edges
-        inputs, kwargs = edges.inputs(inputs, kwargs)
+        self._driver.reap()
         factory = self._profiler_factory
         if (factory is not None and self.module.training and self._profiler is None
                 and self.counters.global_steps == self._config.flops_profiler.profile_step):
             self._profiler = factory()
-            return edges.outputs(self._profiler.profile_forward(
-                lambda: self.module(*inputs, **kwargs)))
-        return edges.outputs(self.module(*inputs, **kwargs))
+            out = self._profiler.profile_forward(lambda: self.module(*inputs, **kwargs))
+        else:
+            out = self.module(*inputs, **kwargs)
+        self._driver.hook_outputs(out)  # loss.backward() on them: :mod:`..backward`
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -169,8 +169,8 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         gradients are reduced while this runs and are final when it returns. Returns the
         loss as scaled for accumulation, like DeepSpeed.
 
-        ``loss.backward()`` does the same when ``loss`` comes from ``engine(...)``
-        outputs; several backwards before one ``step()`` accumulate."""
+        A plain ``loss.backward()`` does the same (:mod:`..backward`); several backwards
+        before one ``step()`` accumulate."""
         if not loss.requires_grad:
             raise UsageError("engine.backward() got a loss that does not require grad",
                              where="engine.backward",
@@ -191,7 +191,8 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's manual backward: ``engine.scale(loss).backward()`` applies the fp16
-        loss scale here (a plain ``loss.backward()`` applies it too)."""
+        loss scale (the loss unchanged without fp16), which a plain ``loss.backward()``
+        with fp16 needs."""
         if self.loss_scaler is None:
             return loss
         self._prescaled = True
@@ -219,13 +220,15 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         return not self._no_sync and self.is_gradient_accumulation_boundary()
 
     def _direct_factor(self) -> float:
-        """What a ``loss.backward()`` reaching this engine's outputs scales them by."""
-        factor = backward_factor(self._config.gradient_accumulation_steps,
-                                 self.dp_world_size, self.loss_scaler)
-        if self._prescaled:
-            self._prescaled = False
-            factor *= inverse_scale(self.loss_scaler)
-        return factor
+        """What a ``loss.backward()`` reaching this engine's parameters scales their
+        gradients by (fp16: the loss must carry the loss scale, from ``scale()``)."""
+        if self.loss_scaler is not None and not self._prescaled:
+            raise UsageError("loss.backward() with fp16 on a loss engine.scale() did not "
+                             "scale", where="loss.backward()",
+                             hint="call engine.scale(loss).backward() (the activations' "
+                                  "gradients need the loss scale), or engine.backward(loss)")
+        self._prescaled = False
+        return 1.0 / (self._config.gradient_accumulation_steps * self.dp_world_size)
 
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary apply the optimizer step."""
@@ -375,6 +378,9 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         """DeepSpeed's teardown: unregister the engine's gradient and parameter hooks and
         close its offload files (the module keeps its current weights)."""
         self._driver.reap()
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
         self.strategy.close()
 
     def barrier(self) -> None:

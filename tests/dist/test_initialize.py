@@ -261,3 +261,15 @@ def test_client_optimizer_wins_over_the_config_section_with_one_warning(caplog):
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 0.125
     assert sum("optimizer section (AdamW) is ignored" in r.getMessage()
                for r in caplog.records) == 1
+
+
+def test_fp16_loss_backward_needs_engine_scale_as_in_deepspeed():
+    engine, _, _, _ = deepshard.initialize(model=model(), config={
+        "train_batch_size": 4, "optimizer": ADAMW, "fp16": {"enabled": True}})
+    x = torch.randn(4, 4, dtype=torch.half)
+    with pytest.raises(UsageError, match=r"engine\.scale\(loss\)\.backward\(\)"):
+        engine(x).float().pow(2).mean().backward()
+    engine.zero_grad()
+    engine.scale(engine(x).float().pow(2).mean()).backward()
+    engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()

@@ -52,10 +52,11 @@ def test_a_caught_usage_error_lets_the_script_go_on(tmp_path):
 
 
 def test_an_error_inside_an_autograd_hook_is_one_line_and_exit_2(tmp_path):
-    result = run_ds("--num_gpus", "2", SCRIPT, "outside-backward", str(tmp_path), timeout=120)
+    result = run_ds("--num_gpus", "2", SCRIPT, "twice-in-backward", str(tmp_path),
+                    timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = _errors(result.stderr)
-    assert lines and all("got a gradient outside any engine's backward" in x for x in lines)
+    assert lines and all("got its gradient twice in one backward" in x for x in lines)
     assert "Traceback" not in result.stderr
 
 

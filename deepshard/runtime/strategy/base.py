@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,9 +52,9 @@ class DataParallelStrategy(ABC):
         """Before autograd runs; ``boundary``: this backward's gradients are reduced."""
 
     def begin_passive(self) -> None:
-        """Before gradients from another engine's backward (one that reached these
-        parameters without passing this engine's outputs): they accumulate, and are
-        reduced by the next synchronising backward or by the step."""
+        """Before gradients from another engine's ``engine.backward`` (which reached these
+        parameters through this engine's raw module): they accumulate, and are reduced by
+        the next synchronising backward or by the step."""
         self.begin_backward(False)
 
     @abstractmethod
@@ -69,12 +69,6 @@ class DataParallelStrategy(ABC):
     def reduce_now(self) -> None:
         """Reduce the gradients of backwards that did not synchronise, and wait (the
         pipeline engine, once its last micro-batch's backward and tied sums are done)."""
-
-    @abstractmethod
-    def listen_outside(self, listener: Callable[[], None]) -> None:
-        """``listener()`` runs when a parameter gets a gradient while no backward of this
-        strategy's is active (another engine's backward reached the parameters); it
-        begins one with :meth:`begin_backward` or raises."""
 
     # -- the step ---------------------------------------------------------------------
     @abstractmethod

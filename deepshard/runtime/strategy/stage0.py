@@ -4,7 +4,7 @@ fp16/bf16 the optimizer steps the fp32 masters of :mod:`..precision`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,6 @@ class Stage0Strategy(DataParallelStrategy):
 
     def reduce_now(self) -> None:
         self.buckets.reduce_all()
-
-    def listen_outside(self, listener: Callable[[], None]) -> None:
-        self.buckets.outside = listener
 
     # -- the step ---------------------------------------------------------------------
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ over them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +83,6 @@ class ZeroStrategy(DataParallelStrategy):
         self.grads.reduce_all()
 
     # -- the step ---------------------------------------------------------------------
-    def listen_outside(self, listener: Callable[[], None]) -> None:
-        self.grads.outside = listener
-
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
         if self.grads.unreduced:
             self.grads.reduce_all()

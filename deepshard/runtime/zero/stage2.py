@@ -100,9 +100,6 @@ class Stage2Grads:
         # gradients left in .grad by passive backwards, reduced by the next backward's
         # hooks or by the step (reduce_all)
         self.unreduced = False
-        # called when a gradient arrives while no backward of ours is active: it begins
-        # one (another engine's backward reached our parameters) or raises
-        self.outside: Callable[[], None] | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
                        for i, p in enumerate(self.params) if i in self.group_of]
 
@@ -186,9 +183,7 @@ class Stage2Grads:
     # hooks ---------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor, i: int) -> None:
         if not self._active:
-            if self.outside is None:
-                raise outside_error(self.names[i])
-            self.outside()
+            raise outside_error(self.names[i])
         if self._passive:
             self.unreduced = True
             return

@@ -11,7 +11,13 @@ Styles (each a fresh engine from the same seed, 3 optimizer steps of a global ba
   one ``step()``, at one boundary;
 - ``twice_engine``: the same with ``engine.backward``;
 - ``gas2``: gradient_accumulation_steps 2, ``loss.backward()`` per micro-batch;
-- ``scaled``: ``engine.scale(loss).backward()`` (DeepSpeed's manual backward).
+- ``scaled``: ``engine.scale(loss).backward()`` (DeepSpeed's manual backward);
+- ``raw``: ``loss.backward()`` on the raw ``engine.module``'s output;
+- ``penalty`` (stages 0-2): ``loss.backward()`` on the loss plus a gradient penalty on
+  the inputs (``torch.autograd.grad``, WGAN-GP style) and a penalty on the weights: terms
+  that reach the parameters other than through the engine's outputs (the reference adds
+  them too). Not at stage 3: its parameters are whole only inside forward, and the
+  double backward of a gradient penalty reads weights released since.
 """
 
 from __future__ import annotations
@@ -40,14 +46,28 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
-def reference() -> list[float]:
+def reference(style: str) -> list[float]:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for x, y in batches():
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        if style == "penalty":  # the penalties of every rank's half, averaged
+            halves = (slice(0, GLOBAL // 2), slice(GLOBAL // 2, GLOBAL))
+            sum(penalized(model, model, x[h], y[h]) for h in halves).div(2).backward()
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return flat(model)
+
+
+def penalized(call, module, x, y) -> torch.Tensor:
+    """The mse loss, a gradient penalty on the inputs and a penalty on the weights."""
+    x = x.clone().requires_grad_()
+    out = call(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    weights = sum(p.square().sum() for p in module.parameters())
+    return torch.nn.functional.mse_loss(out.float(), y) + 1e-1 * grad_x.square().mean() + \
+        1e-2 * weights
 
 
 def flat(model: torch.nn.Module) -> list[float]:
@@ -58,6 +78,7 @@ def config(stage: int, gas: int, world: int, precision: str) -> dict:
     cfg = {"train_batch_size": GLOBAL, "gradient_accumulation_steps": gas,
            "train_micro_batch_size_per_gpu": GLOBAL // (gas * world),
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+           "gradient_clipping": 0,  # DeepSpeed's default (1.0) would clip the penalties
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -94,6 +115,10 @@ def run_style(engine, style: str, x, y) -> None:
         loss_of(engine, x, y).backward()
     elif style == "scaled":
         engine.scale(loss_of(engine, x, y)).backward()
+    elif style == "raw":
+        torch.nn.functional.mse_loss(engine.module(x), y).backward()
+    elif style == "penalty":
+        penalized(engine, engine.module, x, y).backward()
     elif style == "grad":
         out = engine(x)
         probe = out.detach().float().requires_grad_()
@@ -113,9 +138,10 @@ def main() -> None:
     stage = int(args[0])
     precision = args[1] if len(args) > 1 else "fp32"
     deepshard.init_distributed(verbose=False)
-    styles = ["engine", "torch", "grad", "twice", "twice_engine", "gas2", "scaled"]
-    ref = torch.tensor(reference())
-    diffs = {style: float((torch.tensor(train(style, stage, precision)) - ref).abs().max())
+    styles = ["engine", "torch", "grad", "twice", "twice_engine", "gas2", "scaled", "raw",
+              *(["penalty"] if stage < 3 else [])]
+    diffs = {style: float((torch.tensor(train(style, stage, precision))
+                           - torch.tensor(reference(style))).abs().max())
              for style in styles}
     print("RESULT " + json.dumps({"rank": dist.get_rank(), **diffs}), flush=True)
 

@@ -6,9 +6,9 @@ Modes (argv[1], the checkpoint directory argv[2]):
   left to the worker's exception hook;
 - ``caught <dir>``: save with a bad tag inside ``try``/``except UsageError`` and report
   the error's text, then train on (the process must not have exited);
-- ``outside-backward <dir>``: call ``loss.backward()`` on a loss computed by the raw
-  ``engine.module`` (no engine output in its graph, so no engine's backward: the error is
-  raised inside an autograd hook) and leave it uncaught;
+- ``twice-in-backward <dir>``: ``engine.backward`` of two reentrant checkpoints of the
+  same module, so each parameter gets its gradient twice in one backward (the error is
+  raised inside an autograd hook), uncaught;
 - ``per-rank-dir <dir>``: every rank saves into ``<dir>/rank<N>`` (a name made from each
   rank's own state), uncaught.
 """
@@ -20,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 import deepshard
 from deepshard.errors import UsageError
@@ -53,8 +54,11 @@ def main(mode: str, directory: str, *rest: str) -> None:
         result["steps"] = engine.global_steps
     elif mode == "per-rank-dir":
         engine.save_checkpoint(f"{directory}/rank{dist.get_rank()}")
-    elif mode == "outside-backward":
-        engine.module(torch.randn(2, 16)).pow(2).mean().backward()
+    elif mode == "twice-in-backward":
+        x = torch.randn(2, 16, requires_grad=True)
+        twice = [torch.utils.checkpoint.checkpoint(engine.module, x, use_reentrant=True)
+                 for _ in range(2)]
+        engine.backward(twice[0].sum() + twice[1].sum())
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
