@@ -8,8 +8,8 @@ DeepSpeed's ``prof``/``log_name`` keywords), the same comms logger (``configure`
 Modules, one job each: ``process_group`` (joining, ranks, groups), ``collectives``,
 ``p2p``, ``timed`` (what records an op), ``logger`` (the records), ``summary``
 (``log_summary``), ``settings`` (``configure``), ``config`` (the ``comms_logger`` section).
-Names are resolved on first use (PEP 562), so ``deepshard.comm.config``, which the config
-schema imports, costs no torch import.
+Names are resolved on first use (PEP 562), so ``deepshard.comm.config`` costs no torch
+import.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, ValidationInfo, model_validator
 
-from deepshard.comm.config import CommsLoggerConfig
 from deepshard.errors import UsageError
 from deepshard.runtime.config.schema_base import (
     Bool,
@@ -28,6 +27,7 @@ from deepshard.runtime.config.schema_base import (
     key_log,
     one_of,
 )
+from deepshard.runtime.config.schema_comm import CommsLoggerConfig
 from deepshard.runtime.config.schema_optim import OptimizerConfig, SchedulerConfig
 from deepshard.runtime.config.schema_zero import ZeroConfig
 

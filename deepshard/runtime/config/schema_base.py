@@ -56,8 +56,11 @@ class KeyLog:
     """Dotted paths of keys neither knows (and no near miss of a known one)."""
 
     def where(self, *keys: object) -> str:
-        """``<origin>: a.b.c`` for the current path extended by ``keys``."""
+        """``<origin>: a.b.c`` for the current path extended by ``keys`` (``a.b.c`` alone
+        with no origin: a section a script passed to a library call)."""
         dotted = ".".join([*self.path, *(str(k) for k in keys)])
+        if not self.origin:
+            return dotted
         return f"{self.origin}: {dotted}" if dotted else self.origin
 
 
