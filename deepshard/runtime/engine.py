@@ -227,8 +227,9 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
                              "scale", where="loss.backward()",
                              hint="call engine.scale(loss).backward() (the activations' "
                                   "gradients need the loss scale), or engine.backward(loss)")
-        self._prescaled = False
-        return 1.0 / (self._config.gradient_accumulation_steps * self.dp_world_size)
+        self._prescaled = False  # the loss carries the scale: the factor leaves it out
+        return backward_factor(self._config.gradient_accumulation_steps, self.dp_world_size,
+                               None)
 
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary apply the optimizer step."""
