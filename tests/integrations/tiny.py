@@ -19,7 +19,7 @@ def tiny_config(kind: str, **overrides):
             tie_word_embeddings=True)
     elif kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4,
-                                      n_positions=64)
+                                      n_positions=64, bos_token_id=0, eos_token_id=1)
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(
             vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
