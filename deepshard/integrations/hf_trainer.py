@@ -1,0 +1,337 @@
+"""``TrainingArguments`` and ``Trainer``: transformers' own, driving deepshard's engine.
+
+transformers and Accelerate take their DeepSpeed path only when a distribution named
+``deepspeed`` is installed, so a script that wants deepshard changes one import::
+
+    from deepshard.integrations.transformers import Trainer, TrainingArguments
+
+``TrainingArguments(deepspeed=path_or_dict)`` fills the config's ``"auto"`` values as
+transformers does (:mod:`.hf_auto`) and keeps it alive as ``args.hf_deepspeed_config``
+(models built after it load partitioned at ZeRO stage 3). ``Trainer`` builds the engine
+with :func:`deepshard.initialize` where transformers calls ``deepspeed_init``, with the same
+choice between the config's optimizer/scheduler and the Trainer's own, and then runs
+transformers' training loop unchanged: Accelerate stays in its plain multi-process mode (it
+shards the data loaders) and its four engine-facing calls (``backward``,
+``clip_grad_norm_``, ``no_sync``, ``unwrap_model``) are pointed at the engine, as
+Accelerate's DeepSpeed wrapper does. Checkpoints are the engine's (``checkpoint-N/global_stepN``)
+next to the Trainer's state; ``save_model`` writes the HF format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import warnings
+from functools import cached_property
+
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+
+from deepshard.errors import UsageError
+from deepshard.integrations.hf_auto import HfTrainerDeepShardConfig
+
+logger = logging.getLogger("deepshard")
+
+SCHEDULER_NAME = "scheduler.pt"  # transformers' trainer_utils names
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' ``TrainingArguments``; ``deepspeed=`` (a config path or dict) selects
+    deepshard instead of DeepSpeed.
+
+    After construction ``hf_deepspeed_config`` holds the
+    :class:`~deepshard.integrations.hf_auto.HfTrainerDeepShardConfig` with the values known
+    from these arguments filled in (``None`` without ``deepspeed``); ``deepspeed`` keeps the
+    value given. Accelerate is set up in its plain distributed mode.
+    """
+
+    def __post_init__(self):
+        source = self.deepspeed
+        self.deepspeed = None  # transformers' branch would need the deepspeed package
+        try:
+            super().__post_init__()
+        finally:
+            self.deepspeed = source
+        self.hf_deepspeed_config = None
+        if source:
+            self.hf_deepspeed_config = HfTrainerDeepShardConfig(source)
+            self.hf_deepspeed_config.trainer_config_process(self)
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        saved, self.deepspeed = self.deepspeed, None  # Accelerate's plain distributed mode
+        try:
+            return transformers.TrainingArguments._setup_devices.func(self)  # type: ignore[attr-defined]
+        finally:
+            self.deepspeed = saved
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """The engine places the model (as with DeepSpeed: never before it exists)."""
+        return False if self.deepspeed else None
+
+
+class _EngineAccelerator(Accelerator):
+    """The Trainer's ``Accelerator`` with its engine-facing calls pointed at the engine, as
+    Accelerate's ``DeepSpeedEngineWrapper`` does. Set on the Trainer's accelerator by
+    class (it adds no state besides ``engine``): the Trainer builds its accelerator itself.
+    """
+
+    engine = None
+
+    def backward(self, loss, **kwargs):
+        """``engine.backward`` (loss already scaled for accumulation by the Trainer), and at
+        an accumulation boundary ``engine.step``: reduction, clipping, optimizer step."""
+        if self.engine is None:
+            return super().backward(loss, **kwargs)
+        sync = self.sync_gradients
+        self.engine.set_gradient_accumulation_boundary(sync)
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if sync:
+            self.engine.step()
+        return None
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """The engine clips in ``step``: the norm it found there."""
+        if self.engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        return self.engine.get_global_grad_norm()
+
+    def no_sync(self, model):
+        """The engine accumulates between boundaries itself (DeepSpeed's path)."""
+        if self.engine is not None and model is self.engine:
+            return contextlib.nullcontext()
+        return super().no_sync(model)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The module inside the engine; anything else as Accelerate unwraps it."""
+        if self.engine is not None and model is self.engine:
+            return self.engine.module
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """fp16 overflow: the engine skipped the step, so the Trainer's scheduler waits."""
+        if self.engine is None:
+            return super().optimizer_step_was_skipped
+        return not self.engine.was_step_applied()
+
+
+class Trainer(transformers.Trainer):
+    """transformers' ``Trainer``; with :class:`TrainingArguments` carrying ``deepspeed=``
+    it trains through a deepshard engine at ZeRO stages 0-3 (see the module docstring).
+
+    After ``train()`` starts, ``trainer.deepspeed`` and ``trainer.model_wrapped`` are the
+    engine and ``trainer.model`` the HF model, as with DeepSpeed.
+    """
+
+    # -- setup ---------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        config = getattr(self.args, "hf_deepspeed_config", None)
+        self.is_deepshard_enabled = isinstance(config, HfTrainerDeepShardConfig)
+        if self.is_deepshard_enabled:
+            self.accelerator.__class__ = _EngineAccelerator
+
+    @property
+    def deepshard_config(self) -> HfTrainerDeepShardConfig:
+        """The config the engine is built from (``args.hf_deepspeed_config``)."""
+        return self.args.hf_deepspeed_config
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Where transformers calls ``deepspeed_init`` and ``accelerator.prepare``: build the
+        engine (and resume it); the data loader is already Accelerate's, sharded."""
+        if not self.is_deepshard_enabled:
+            return super()._prepare_for_training(max_steps, train_dataloader,
+                                                 resume_from_checkpoint)
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        engine = self._build_engine(max_steps)
+        if resume_from_checkpoint is not None:
+            self._load_engine_checkpoint(resume_from_checkpoint)
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return engine, train_dataloader
+
+    def _build_engine(self, max_steps: int):
+        """Finalize the config, choose the optimizer and scheduler as transformers'
+        ``deepspeed_optim_sched`` does, and ``deepshard.initialize`` the engine."""
+        import deepshard
+
+        cfg = self.deepshard_config
+        cfg.trainer_config_finalize(self.args, self.model, max_steps)
+        cfg.fill_accelerate_defaults(self.model, self.args.world_size)
+        self.optimizer = None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer, scheduler = self._optimizer_and_scheduler(max_steps)
+        engine, opt, _, sched = deepshard.initialize(
+            model=self.model, model_parameters=params if optimizer is None else None,
+            optimizer=optimizer, lr_scheduler=scheduler, config=cfg.config)
+        self._attach(engine)
+        self.optimizer = DeepSpeedOptimizerWrapper(opt)
+        if sched is not None:  # the engine steps it
+            self.lr_scheduler = DeepSpeedSchedulerWrapper(sched, self.optimizer)
+        else:  # the Trainer's own, stepped by the training loop
+            self.create_scheduler(num_training_steps=max_steps, optimizer=opt)
+        return engine
+
+    def _optimizer_and_scheduler(self, max_steps: int):
+        """transformers' choice: the config's optimizer section, else the Trainer's
+        (``create_optimizer`` from the TrainingArguments); the config's scheduler section
+        (built by the engine), else with the config's optimizer a callable building the
+        Trainer's scheduler over it, else ``None`` (the Trainer builds and steps its own)."""
+        config = self.deepshard_config.config
+        optimizer = None
+        if "optimizer" not in config:
+            optimizer = self.create_optimizer()
+            config["zero_allow_untested_optimizer"] = True
+        if "scheduler" in config or optimizer is not None:
+            return optimizer, None
+
+        def build_scheduler(engine_optimizer):
+            trainer = copy.copy(self)
+            trainer.lr_scheduler = None
+            return trainer.create_scheduler(num_training_steps=max_steps,
+                                            optimizer=engine_optimizer)
+
+        return optimizer, build_scheduler
+
+    def _attach(self, engine) -> None:
+        self.model_wrapped = self.deepspeed = engine
+        self.accelerator.engine = engine  # type: ignore[attr-defined]
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Evaluation goes through the engine (built for inference when ``evaluate()``
+        comes before ``train()``)."""
+        if not self.is_deepshard_enabled:
+            return super()._wrap_model(model, training, dataloader)
+        if self.deepspeed is None:
+            self._build_inference_engine()
+        return self.deepspeed
+
+    def _build_inference_engine(self) -> None:
+        """transformers' ``deepspeed_init(inference=True)``: no optimizer, no scheduler."""
+        import deepshard
+
+        cfg = self.deepshard_config
+        cfg.trainer_config_finalize(self.args, self.model, 0)
+        cfg.fill_accelerate_defaults(self.model, self.args.world_size)
+        config = {k: v for k, v in cfg.config.items() if k not in ("optimizer", "scheduler")}
+        engine, *_ = deepshard.initialize(model=self.model, config=config)
+        self._attach(engine)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's checkpoint (model, optimizer, engine-stepped scheduler) in
+        ``output_dir/global_stepN``, and the Trainer's own scheduler as ``scheduler.pt``."""
+        if not self.is_deepshard_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.deepspeed.save_checkpoint(output_dir,
+                                       exclude_frozen_parameters=_is_peft(self.model))
+        if self.args.should_save and not isinstance(self.lr_scheduler,
+                                                    DeepSpeedSchedulerWrapper):
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(),
+                           os.path.join(output_dir, SCHEDULER_NAME))
+        return None
+
+    def _load_engine_checkpoint(self, checkpoint: str) -> None:
+        """transformers' ``deepspeed_load_checkpoint``: the engine resumes model, optimizer
+        and scheduler (at any world size: deepshard reshards)."""
+        path, _ = self.deepspeed.load_checkpoint(
+            checkpoint, load_module_strict=not _is_peft(self.model),
+            load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise UsageError("no deepshard engine checkpoint in it",
+                             where=f"resume_from_checkpoint={checkpoint}",
+                             hint="pass a checkpoint-N directory written by this Trainer "
+                                  "with deepspeed= (it holds global_stepN/ and latest)")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The engine loaded its states; the Trainer's own scheduler loads here."""
+        if not self.is_deepshard_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
+            return None
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The engine loads the weights with its checkpoint (in ``_prepare_for_training``)."""
+        if not self.is_deepshard_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        return None
+
+    def _load_best_model(self) -> None:
+        if not self.is_deepshard_enabled:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
+        self._load_engine_checkpoint(best)
+        return None
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The HF format (``save_pretrained``'s files) from the engine, on every rank (the
+        gathers are collective; rank 0 writes), then the tokenizer and the arguments."""
+        if not self.is_deepshard_enabled or self.deepspeed is None:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+        write_hf_model(self.deepspeed, output_dir, self.args.should_save,
+                       exclude_frozen=_is_peft(self.model))
+        if self.args.should_save:
+            self._save_extras(output_dir)
+        return None
+
+    def _save_extras(self, output_dir: str) -> None:
+        """What transformers' ``_save`` writes besides the model."""
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+def write_hf_model(engine, output_dir: str, is_main_process: bool,
+                   exclude_frozen: bool = False) -> None:
+    """The engine's model in the HF format in ``output_dir`` (collective).
+
+    Uses :func:`deepshard.integrations.hf_save.save_pretrained` when it is there; without
+    it, the module's own ``save_pretrained`` (stages 0-2, whose ranks hold every weight),
+    and at stage 3 the engine checkpoint instead, as transformers does with DeepSpeed when
+    the weights are not gathered.
+    """
+    try:
+        from deepshard.integrations import hf_save
+    except ImportError:
+        hf_save = None
+    if hf_save is not None and hasattr(hf_save, "save_pretrained"):
+        hf_save.save_pretrained(engine, output_dir, is_main_process=is_main_process,
+                                exclude_frozen_parameters=exclude_frozen)
+        return
+    if engine.zero_optimization_stage() < 3:
+        engine.module.save_pretrained(output_dir, is_main_process=is_main_process)
+        return
+    if is_main_process:
+        logger.warning("ZeRO-3 weights are not gathered for an HF save here: saving the "
+                       "engine checkpoint instead (use zero_to_fp32.py to recover weights)")
+    engine.save_checkpoint(output_dir)
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
