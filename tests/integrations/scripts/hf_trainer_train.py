@@ -6,6 +6,10 @@ deepshard (``--backend deepshard``: only the import changes) or DeepSpeed
 deepshard:  ds-run --num_gpus 2 hf_trainer_train.py --stage 2 --out_dir /tmp/a
 DeepSpeed:  DS_ACCELERATOR=cpu deepspeed --num_gpus 2 hf_trainer_train.py --backend deepspeed \
                 --stage 2 --out_dir /tmp/b     (or torchrun --nproc_per_node 2 ...)
+
+``--case "NAME ARGS..."`` (repeatable) runs several trainings in one job, one after another
+(imports and process startup are most of a run's time): each parses ARGS over the command
+line's and writes to ``<out_dir>/NAME/``; ``{out}`` in ARGS is ``<out_dir>``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -21,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo, for tests.*
 
 
-def parse() -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--backend", choices=("deepshard", "deepspeed"), default="deepshard")
@@ -40,7 +45,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save_model", action="store_true")
     p.add_argument("--evaluate", action="store_true")
     p.add_argument("--out_dir", required=True)
-    return p.parse_args()
+    p.add_argument("--case", action="append", default=[], help='"NAME ARGS..." (see above)')
+    return p
+
+
+def cases(argv: list[str]) -> list[argparse.Namespace]:
+    """The runs the command line asks for: itself, or each ``--case`` over it."""
+    p = parser()
+    base = p.parse_args(argv)
+    if not base.case:
+        return [base]
+    runs = []
+    for case in base.case:
+        name, *rest = shlex.split(case.replace("{out}", base.out_dir))
+        run = p.parse_args([*argv, *rest])
+        run.out_dir = str(Path(base.out_dir) / name)
+        runs.append(run)
+    return runs
 
 
 def ds_config(args) -> dict:
@@ -68,7 +89,19 @@ def dataset(n: int, seq: int = 16, vocab: int = 128):
 
 
 def main() -> None:
-    args = parse()
+    from tests.integrations.tiny import save_tiny
+
+    runs = cases(sys.argv[1:])
+    rank = int(os.environ.get("RANK", "0"))
+    # every rank its own copy (no barrier needed), saved before any process group exists
+    model_dir = save_tiny("llama", Path(parser().parse_args(sys.argv[1:]).out_dir)
+                          / f"model_rank{rank}", seed=0)
+    for args in runs:
+        train(args, model_dir)
+
+
+def train(args: argparse.Namespace, model_dir: Path) -> None:
+    """One training run as the arguments say; rank 0 writes ``rank0.json``."""
     if args.backend == "deepspeed":
         from transformers import Trainer, TrainerCallback, TrainingArguments
     else:
@@ -77,13 +110,9 @@ def main() -> None:
         from deepshard.integrations.hf_trainer import Trainer, TrainingArguments
     import transformers
 
-    from tests.integrations.tiny import save_tiny
-
     out = Path(args.out_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    model_dir = out / f"model_rank{rank}"  # every rank its own copy: no barrier needed
-    save_tiny("llama", model_dir, seed=0)
     training = TrainingArguments(
         output_dir=str(out / "run"), per_device_train_batch_size=args.micro,
         per_device_eval_batch_size=args.micro, gradient_accumulation_steps=args.gas,
@@ -112,6 +141,7 @@ def main() -> None:
     if args.save_model:
         trainer.save_model(str(out / "saved"))
     if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "rank0.json").write_text(json.dumps(result))
 
 

@@ -1,0 +1,186 @@
+"""deepshard's HF ``Trainer``/``TrainingArguments`` at ZeRO stages 0-3 on 2 gloo ranks:
+per-step losses and gradient norms equal a plain-torch single-process reference of the
+same training (same weights, data order, AdamW, clipping, linear warmup schedule, the loss
+averaged over the global batch), with gradient accumulation 2; ``save_strategy="steps"``
+checkpoints and ``resume_from_checkpoint`` (at world 2 and at world 1) continue with the
+losses of the uninterrupted run; ``save_model`` writes the HF format.
+
+One job runs every world-2 training one after another (``--case``): process start-up and
+imports are most of a run's time on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.helpers import ROOT, run_ds
+
+SCRIPT = ROOT / "tests" / "integrations" / "scripts" / "hf_trainer_train.py"
+TRAINING = dict(micro=2, gas=2, world=2, steps=6, lr=1e-2, warmup=2, clip=0.5,
+                weight_decay=0.01)
+COMMON = ("--micro", "2", "--gas", "2", "--steps", "6", "--lr", "1e-2", "--warmup", "2",
+          "--clip", "0.5")
+RTOL = 1e-5
+
+
+def run_script(out: Path, *cases: str, world: int = 2, extra: tuple[str, ...] = ()) -> None:
+    args = [a for case in cases for a in ("--case", case)]
+    result = run_ds("--num_gpus", str(world), str(SCRIPT), *COMMON, *extra,
+                    "--out_dir", str(out), *args, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def read(out: Path, case: str) -> dict:
+    return json.loads((out / case / "rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    """Stages 0-3 (stage 3 with checkpoints every 3 steps, evaluation and an HF save),
+    then stage 3 resumed from its checkpoint-3."""
+    out = tmp_path_factory.mktemp("hf_trainer")
+    run_script(out, "s0 --stage 0", "s1 --stage 1", "s2 --stage 2",
+               "s3 --stage 3 --save_steps 3 --evaluate --save_model",
+               "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3")
+    return out
+
+
+def reference() -> dict:
+    """The same training in one process with plain torch."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    from tests.integrations.scripts.hf_trainer_train import dataset
+    from tests.integrations.tiny import save_tiny
+
+    t = TRAINING
+    with tempfile.TemporaryDirectory() as tmp:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            save_tiny("llama", Path(tmp) / "m", seed=0))
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in named if n in decay], "weight_decay": t["weight_decay"]},
+         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}],
+        lr=t["lr"], betas=(0.9, 0.999), eps=1e-8)
+    sched = transformers.get_linear_schedule_with_warmup(opt, t["warmup"], t["steps"])
+    per_step = t["micro"] * t["gas"] * t["world"]
+    data = dataset(per_step * t["steps"])
+    losses, norms = [], []
+    for step in range(t["steps"]):
+        batch = data[step * per_step:(step + 1) * per_step]
+        ids = torch.stack([b["input_ids"] for b in batch])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t["clip"])))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": norms}
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict:
+    return reference()
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= RTOL * abs(b)
+                                         for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_losses_match_plain_torch(job, expected, stage):
+    got = read(job, f"s{stage}")
+    assert got["steps"] == [1, 2, 3, 4, 5, 6]
+    assert close(got["losses"], expected["losses"]), (got["losses"], expected["losses"])
+    assert close(got["grad_norms"], expected["grad_norms"]), (got["grad_norms"],
+                                                              expected["grad_norms"])
+    assert got["lrs"] == pytest.approx([0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025])
+
+
+def test_checkpoints_hold_the_engine_checkpoint_and_trainer_state(job):
+    for step in (3, 6):
+        ckpt = job / "s3" / "run" / f"checkpoint-{step}"
+        assert (ckpt / f"global_step{step}").is_dir()
+        assert (ckpt / "latest").read_text().strip() == f"global_step{step}"
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        assert state["global_step"] == step
+        assert (ckpt / "scheduler.pt").is_file()  # the Trainer's own scheduler
+
+
+def test_resume_continues_as_the_uninterrupted_run(job):
+    whole, resumed = read(job, "s3"), read(job, "s3resumed")
+    assert resumed["steps"] == [4, 5, 6]
+    assert close(resumed["losses"], whole["losses"][3:]), (resumed, whole)
+
+
+def test_resume_at_world_1_from_a_world_2_checkpoint(job):
+    """Micro-batch 4 on one rank: the same global batches; the engine reshards."""
+    run_script(job / "w1", f"r --stage 3 --micro 4 --resume {job}/s3/run/checkpoint-3",
+               world=1)
+    resumed, whole = read(job / "w1", "r"), read(job, "s3")
+    assert resumed["steps"] == [4, 5, 6]
+    assert close(resumed["losses"], whole["losses"][3:]), (resumed, whole)
+
+
+def test_evaluate_and_save_model_in_hf_format(job, expected):
+    import torch
+    import transformers
+
+    from tests.integrations.scripts.hf_trainer_train import dataset
+
+    got = read(job, "s3")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(job / "s3" / "saved")
+    ids = torch.stack([b["input_ids"] for b in dataset(8)])
+    with torch.no_grad():
+        loss = saved(input_ids=ids, labels=ids).loss.item()
+    assert loss == pytest.approx(got["eval_loss"], rel=1e-5)
+
+
+def test_training_arguments_keep_the_config_alive(tmp_path):
+    from deepshard.integrations import hf_loading
+    from deepshard.integrations.hf_auto import HfTrainerDeepShardConfig
+    from deepshard.integrations.hf_trainer import TrainingArguments
+
+    given = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
+                             deepspeed=given, report_to="none", use_cpu=True)
+    assert args.deepspeed is given and given["train_micro_batch_size_per_gpu"] == "auto"
+    assert isinstance(args.hf_deepspeed_config, HfTrainerDeepShardConfig)
+    assert args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"] == 3
+    assert hf_loading.active_config() is args.hf_deepspeed_config
+    assert args.place_model_on_device is False
+    del args
+
+
+def test_a_mismatch_stops_train_with_one_line(tmp_path):
+    """Raised where transformers raises it (the engine's build in ``train()``), before any
+    process group: in this process."""
+    import transformers
+
+    from deepshard.errors import UsageError, render
+    from deepshard.integrations.hf_trainer import Trainer, TrainingArguments
+    from tests.integrations.scripts.hf_trainer_train import dataset
+    from tests.integrations.tiny import tiny_config
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                             max_steps=1, report_to="none", use_cpu=True,
+                             deepspeed={"train_micro_batch_size_per_gpu": 4,
+                                        "zero_optimization": {"stage": 2}})
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(4))
+    with pytest.raises(UsageError) as info:
+        trainer.train()
+    line = render(info.value)
+    assert "\n" not in line and "HINT" in line
+    assert "train_micro_batch_size_per_gpu=4 but TrainingArguments " \
+           "per_device_train_batch_size=2" in line
