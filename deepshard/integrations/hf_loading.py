@@ -369,6 +369,10 @@ def load_partitioned(model: Any, state_dict: dict | None, checkpoint_files: list
                 _whole_as, ckpt, key, dtype_of(target)))
         else:
             _load_tensor(model, target, key, ckpt, dtype_of(target), info, load_config)
+    if converted:
+        logger.warning("ZeRO-3 loading: %d parameters (e.g. %s) come from a conversion of "
+                       "several checkpoint tensors, which are read whole on every rank, one "
+                       "conversion at a time, then cut", len(converted), next(iter(converted)))
     for target, job in converted.items():
         _load_converted(model, target, job, info, load_config)
     model._weight_conversions = [m for m in mapping if m.was_used()]
@@ -460,8 +464,6 @@ def _load_converted(model: Any, first: str, job: Any, info: Any, load_config: An
     cut to this rank's slice."""
     from transformers.core_model_loading import SkipParameters
 
-    logger.warning("ZeRO-3 loading: %s needs a %s of whole checkpoint tensors; read whole "
-                   "on every rank, then cut", first, type(job).__name__)
     try:
         realized = job.convert(first, model=model, config=model.config, hf_quantizer=None,
                                loading_info=info)

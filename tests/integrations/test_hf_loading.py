@@ -166,6 +166,37 @@ def test_from_config_is_partitioned_with_transformers_init(one_rank):
     del cfg
 
 
+def test_converted_weights_are_loaded_and_cut(one_rank, tmp_path):
+    """Mixtral's per-expert checkpoint tensors fuse into one parameter per layer."""
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2,
+        num_experts_per_tok=1)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    cfg = HfDeepShardConfig(STAGE3)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe",
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert_partitioned(model)
+    for name, value in whole(model).items():
+        assert torch.equal(value, plain.get_parameter(name)), name
+    del cfg
+
+
+def test_a_state_dict_is_cut_too(one_rank, ckpts):
+    plain = transformers.AutoModelForCausalLM.from_pretrained(ckpts / "qwen2-single")
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    cfg = HfDeepShardConfig(STAGE3)
+    model = transformers.Qwen2ForCausalLM.from_pretrained(None, config=plain.config,
+                                                          state_dict=state)
+    assert_partitioned(model)
+    for name, value in whole(model).items():
+        assert torch.equal(value, plain.get_parameter(name)), name
+    del cfg
+
+
 def test_a_directory_without_weights_is_a_usage_error(one_rank, tmp_path):
     tiny_config("gpt2").save_pretrained(tmp_path / "empty")
     cfg = HfDeepShardConfig(STAGE3)
