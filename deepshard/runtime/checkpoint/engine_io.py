@@ -24,7 +24,7 @@ from ...errors import UsageError
 from ...liveness import heartbeat
 from . import format as fmt
 from . import model_parallel as mp
-from .by_name import ByName, aliases, read_by_name
+from .by_name import ByName, Needed, aliases, read_by_name
 
 logger = logging.getLogger("deepshard")
 
@@ -45,7 +45,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     strategy = engine.strategy
     with strategy.materialized(engine.optimizer):
         own: dict[str, object] = {"rng": fmt.rng_states()}
-        payload = strategy.rank_payload(engine.optimizer)
+        payload = strategy.rank_payload(engine.optimizer, exclude)
         if payload is not None:
             own["zero"] = payload
         rank0 = engine.global_rank == 0
@@ -177,6 +177,10 @@ def _read(engine, path: Path, manifest: fmt.Manifest, shared: dict) -> ByName:
     """This rank's part of the checkpoint by name (all of it where the rank keeps all)."""
     topology = engine.topology
     need = engine.strategy.needed()
+    if need is not None:  # and what the module itself loads (stage 3's frozen shards too)
+        module = engine.module
+        own = set(module.state_dict()) - engine.strategy.owned_names(module)
+        need = Needed(need.values | own, need.state)
     if topology is not None or manifest.layout:
         mp.check_same_layout(manifest, topology, path)
         coord = topology.coord(engine.global_rank)

@@ -2,8 +2,10 @@
 
 Saving, every rank writes its shard of every flat group into its own rank file: the
 group's member names, offsets and element counts, the shard bounds, the fp32 values
-(master or parameter) and the optimizer state tensors of the shard. Rank 0's shared file
-keeps the rest (buffers and frozen parameters, optimizer hyperparameters, scheduler, ...).
+(master or parameter) and the optimizer state tensors of the shard; at stage 3 also its
+shard of every partitioned group of frozen parameters (values only; left out with
+``exclude_frozen_parameters``). Rank 0's shared file keeps the rest (buffers and whole
+frozen parameters, optimizer hyperparameters, scheduler, ...).
 
 Loading fills the shards from a checkpoint's by-name form (:mod:`.by_name`), so a ZeRO
 checkpoint loads at any stage and world size. A rank assembles only what it keeps
@@ -28,33 +30,45 @@ def needed(zero) -> Needed:
     values: set[str] = set()
     state: set[str] = set()
     for g in zero.groups:
-        mine = {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
+        mine = _mine(g)
         state |= mine
         values |= mine if g.partitioned else set(g.names)
+    for g in zero.frozen_groups:
+        values |= _mine(g)
     return Needed(frozenset(values), frozenset(state))
 
 
-def shard_payload(zero, optimizer) -> list[dict]:
-    """This rank's part of a checkpoint: one entry per flat group."""
+def _mine(g) -> set[str]:
+    return {g.names[g.flat.params.index(pc.param)] for pc in pieces(g.flat, g.spec, g.rank)}
+
+
+def shard_payload(zero, optimizer, exclude_frozen: bool = False) -> list[dict]:
+    """This rank's part of a checkpoint: one entry per flat group (frozen ones too unless
+    ``exclude_frozen``)."""
     out = []
     for k, g in enumerate(zero.groups):
         t = zero.stepper.step_tensors[k]
         state = optimizer.state.get(t, {}) if optimizer is not None else {}
-        out.append({
-            "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
-            "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi,
-            "values": t.detach().float().clone(),
-            "state": {n: v.clone() for n, v in state.items()
-                      if torch.is_tensor(v) and v.dim() > 0},
-            "scalars": {n: v for n, v in state.items()
-                        if not (torch.is_tensor(v) and v.dim() > 0)},
-        })
+        out.append(_entry(g, t, state))
+    if not exclude_frozen:
+        out.extend(_entry(g, g.read_shard(), {}) for g in zero.frozen_groups)
     return out
+
+
+def _entry(g, values: torch.Tensor, state: dict) -> dict:
+    return {
+        "names": g.names, "offsets": g.flat.offsets, "numels": g.flat.numels,
+        "shapes": [tuple(s) for s in g.shapes], "lo": g.lo, "hi": g.hi,
+        "values": values.detach().float().clone(),
+        "state": {n: v.clone() for n, v in state.items() if torch.is_tensor(v) and v.dim() > 0},
+        "scalars": {n: v for n, v in state.items()
+                    if not (torch.is_tensor(v) and v.dim() > 0)},
+    }
 
 
 def owned_names(zero, module: torch.nn.Module) -> set[str]:
     """Every state-dict name (aliases included) of a parameter the flat groups own."""
-    ids = {id(p) for g in zero.groups for p in g.params}
+    ids = {id(p) for g in (*zero.groups, *zero.frozen_groups) for p in g.params}
     return {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
@@ -63,8 +77,8 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
     """Fill this rank's shards (values, masters and, if asked, optimizer state) from
     ``by_name``. Returns the names it lacked (left as they were)."""
     missing = []
-    for k, g in enumerate(zero.groups):
-        t = zero.stepper.step_tensors[k]
+    steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
+    for g, t in zip([*zero.groups, *zero.frozen_groups], steps, strict=True):
         fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
         state: dict[str, torch.Tensor] = {}
         found = [n in by_name.present for n in g.names]
@@ -80,6 +94,8 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
                 buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
                 buf[dst] = full.reshape(-1)[src]
         g.write_shard(fresh)
+        if t is None:  # frozen: no master, no optimizer state
+            continue
         if t is not g.shard and t.numel():
             t.copy_(fresh)
         if not g.partitioned:

@@ -151,8 +151,10 @@ class DataParallelStrategy(ABC):
         """The parameter name of every position in :meth:`optimizer_state`'s ``state``."""
 
     @abstractmethod
-    def rank_payload(self, optimizer: torch.optim.Optimizer | None) -> object | None:
-        """What this rank alone writes (its shards), or ``None``."""
+    def rank_payload(self, optimizer: torch.optim.Optimizer | None,
+                     exclude_frozen: bool = False) -> object | None:
+        """What this rank alone writes (its shards), or ``None``; ``exclude_frozen``:
+        without frozen parameters."""
 
     def needed(self) -> object | None:
         """Which names this rank takes from a checkpoint

@@ -114,7 +114,7 @@ class Stage0Strategy(DataParallelStrategy):
         by_id = {id(t): n for t, n in zip(tensors, self.names, strict=True)}
         return [by_id.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
 
-    def rank_payload(self, optimizer) -> None:
+    def rank_payload(self, optimizer, exclude_frozen: bool = False) -> None:
         return None
 
     @torch.no_grad()

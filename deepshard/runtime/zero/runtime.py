@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,9 @@ class ZeroStrategy(DataParallelStrategy):
     stepper: ShardStepper
     coordinator: ParamCoordinator | None
     opt_groups: list[list[int]]  # flat group indices per optimizer param group
-    frozen_bytes: int
+    frozen_bytes: int  # frozen parameters kept whole (stages 1-2; small ones at stage 3)
     param_swapper: TensorSwapper | None = None
+    frozen_groups: list[FlatGroup] = field(default_factory=list)  # stage 3: partitioned
 
     @property
     def partitions_params(self) -> bool:
@@ -116,9 +117,10 @@ class ZeroStrategy(DataParallelStrategy):
     def state_bytes(self, module, optimizer) -> dict[str, int]:
         """Bytes this rank holds between steps (see ``engine.state_bytes``)."""
         del module
-        params = self.frozen_bytes + sum(g.nbytes_params() for g in self.groups)
+        flat = [*self.groups, *self.frozen_groups]
+        params = self.frozen_bytes + sum(g.nbytes_params() for g in flat)
         held = self.stepper.nbytes(optimizer)
-        nvme = held["nvme"] + sum(g.nbytes_nvme() for g in self.groups)
+        nvme = held["nvme"] + sum(g.nbytes_nvme() for g in flat)
         return {"params": params, "grads": self.grads.nbytes(),
                 "optimizer": held["optimizer"], "nvme": nvme}
 
@@ -157,8 +159,8 @@ class ZeroStrategy(DataParallelStrategy):
     def optimizer_names(self, optimizer) -> None:
         return None
 
-    def rank_payload(self, optimizer) -> list[dict]:
-        return zero_shards.shard_payload(self, optimizer)
+    def rank_payload(self, optimizer, exclude_frozen: bool = False) -> list[dict]:
+        return zero_shards.shard_payload(self, optimizer, exclude_frozen)
 
     def needed(self) -> zero_shards.Needed:
         return zero_shards.needed(self)
@@ -174,7 +176,9 @@ class ZeroStrategy(DataParallelStrategy):
         return missing
 
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:
-        return [g.params for g in self.groups if g.partitioned] if self.stage == 3 else []
+        if self.stage != 3:
+            return []
+        return [g.params for g in (*self.groups, *self.frozen_groups) if g.partitioned]
 
 
 def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
@@ -189,7 +193,7 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     # buckets no bigger than DDP's, so that reduction overlaps backward (DeepSpeed's
     # default reduce_bucket_size, 5e8, would make one bucket reduced after backward)
     cap = max(1, min(z.reduce_bucket_size, DEFAULT_BUCKET_BYTES // size))
-    numels = [getattr(p, "ds_numel", None) or p.numel() for p in params]  # zero.Init: empty
+    numels = [numel_of(p) for p in params]
     units_plan, unit_members = None, ()
     if stage == 3:
         units_plan = plan_units(module, names)
@@ -201,22 +205,39 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     host = offload_param is not None and offload_param.device in ("cpu", "nvme")
     param_swapper = TensorSwapper(offload_param.nvme_path, rank, "params") \
         if host and offload_param.device == "nvme" else None
-    groups = []
-    for k, plan in enumerate(plans):
-        flat = layout(plan.params, [numels[i] for i in plan.params])
-        g = FlatGroup([params[i] for i in plan.params], [names[i] for i in plan.params],
-                      flat, world, rank, pg, plan.partitioned,
-                      shard_device=torch.device("cpu") if host else None,
-                      pin_memory=bool(host and offload_param.pin_memory),
-                      swapper=param_swapper, key=f"group{k}")
+    shard_device = torch.device("cpu") if host else None
+    pin = bool(host and offload_param.pin_memory)
+
+    def flat_group(members, member_names, plan, key):
+        flat = layout(plan.params, [numel_of(p) for p in members])
+        g = FlatGroup(members, member_names, flat, world, rank, pg, plan.partitioned,
+                      shard_device=shard_device, pin_memory=pin, swapper=param_swapper,
+                      key=key)
         for p in g.params:
             p.ds_group = g
-        groups.append(g)
-    materialize(module)  # zero.Init parameters that no group took (frozen ones)
+        return g
+
+    groups = [flat_group([params[i] for i in plan.params], [names[i] for i in plan.params],
+                         plan, f"group{k}") for k, plan in enumerate(plans)]
+    frozen_groups, frozen_units = [], []
+    if stage == 3:
+        frozen_names, frozen = _frozen(module, params)
+        index = {n: i for i, n in enumerate(frozen_names)}
+        members = [[index[n] for n in unit] for unit in plan_units(module, frozen_names).params]
+        fplans = [plan for plan in plan_groups(
+            [numel_of(p) for p in frozen], [p.dtype for p in frozen],
+            [list(range(len(frozen)))], cap, members, z.stage3_param_persistence_threshold)
+            if plan.partitioned]  # small frozen parameters stay whole on every rank
+        frozen_groups = [flat_group([frozen[i] for i in plan.params],
+                                    [frozen_names[i] for i in plan.params], plan, f"frozen{k}")
+                         for k, plan in enumerate(fplans)]
+        frozen_units = [plan.unit for plan in fplans]
+    materialize(module)  # zero.Init parameters that no group took (small frozen ones)
     coordinator = None
     if stage == 3:
         units = [Unit(u, module.get_submodule(name),
-                      [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u])
+                      [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u],
+                      [g for g, fu in zip(frozen_groups, frozen_units, strict=True) if fu == u])
                  for u, name in enumerate(units_plan.modules)]
         coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
                                        z.stage3_prefetch_bucket_size,
@@ -232,7 +253,23 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     opt_groups = [[k for k, plan in enumerate(plans) if plan.opt_group == o]
                   for o in range(len(opt_members))]
     trainable = {id(p) for p in params}
-    frozen = sum(p.numel() * p.element_size() for p in module.parameters()
-                 if id(p) not in trainable)
+    whole = sum(p.numel() * p.element_size() for p in module.parameters()
+                if id(p) not in trainable and not hasattr(p, "ds_group"))
     return ZeroStrategy(stage, tuple(params), tuple(names), pg, world, groups, grads,
-                        stepper, coordinator, opt_groups, frozen, param_swapper)
+                        stepper, coordinator, opt_groups, whole, param_swapper,
+                        frozen_groups)
+
+
+def numel_of(p: torch.nn.Parameter) -> int:
+    """Elements of ``p`` (its full size when built under ``zero.Init``: empty then)."""
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
+def _frozen(module: torch.nn.Module, trained: Sequence[torch.nn.Parameter]
+            ) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """The module's frozen parameters (``requires_grad`` off), by name in registration
+    order."""
+    ids = {id(p) for p in trained}
+    named = [(n, p) for n, p in module.named_parameters()
+             if id(p) not in ids and not p.requires_grad]
+    return [n for n, _ in named], [p for _, p in named]

@@ -11,9 +11,17 @@ Lifecycle of a unit's partitioned parameters:
 - forward pre-hook: gather (all-gather of the shards into a full buffer; the parameters'
   ``.data`` become views of it), then prefetch the next units in the recorded order, up to
   ``stage3_prefetch_bucket_size`` elements ahead, within ``stage3_max_live_parameters``;
-- forward post-hook: release (drop the full buffer), and hook the outputs so that the
-  unit is gathered again when backward reaches it (prefetching earlier units);
+- forward post-hook: release (drop the full buffer), and hook the outputs' autograd nodes
+  so that the unit is gathered again when backward reaches it (prefetching earlier units);
 - when backward has produced all of a unit's gradients (stage 2's callback): release.
+
+Frozen parameters (LoRA's base) are partitioned too, in groups of their own that have no
+gradients, no optimizer state and no reduction. No gradient says when backward is done
+with them, so the forward post-hook also hooks the unit's inputs that require grad: once
+the gradients of all of them have arrived (for every forward whose backward began at the
+unit) and the unit's trainable groups have theirs, its frozen groups are released. A unit
+whose inputs need no gradient (the first layer under a frozen embedding) keeps them
+gathered to the end of backward.
 
 Parameters smaller than ``stage3_param_persistence_threshold`` elements are not
 partitioned (as in DeepSpeed): they live in replicated groups on every rank, while their
@@ -27,6 +35,7 @@ same order (as in DeepSpeed: gathers are collectives).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -94,27 +103,52 @@ def _in_container(model: torch.nn.Module, name: str) -> bool:
 
 
 class Unit:
-    """One unit: its module and the partitioned flat groups it owns."""
+    """One unit: its module, the partitioned flat groups of trainable parameters it owns
+    (``groups``) and those of frozen ones (``frozen``: no gradient tells when backward is
+    done with them, see :class:`ParamCoordinator`)."""
 
-    def __init__(self, index: int, module: torch.nn.Module, groups: Sequence[FlatGroup]):
-        self.index, self.module, self.groups = index, module, list(groups)
-        self.numel = sum(g.spec.padded for g in self.groups)
+    def __init__(self, index: int, module: torch.nn.Module, groups: Sequence[FlatGroup],
+                 frozen: Sequence[FlatGroup] = ()):
+        self.index, self.module = index, module
+        self.groups, self.frozen = list(groups), list(frozen)
+        self.numel = sum(g.spec.padded for g in (*self.groups, *self.frozen))
         self.pending_grads = len(self.groups)
+        # forwards whose backward has begun here: inputs whose gradient is still to come
+        self.active: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.inputs_done = False
 
     @property
     def gathered(self) -> bool:
-        return all(g.full is not None for g in self.groups)
+        return all(g.full is not None for g in (*self.groups, *self.frozen))
 
     def gather(self, async_op: bool = False) -> None:
-        for g in self.groups:
+        for g in (*self.groups, *self.frozen):
             g.gather(async_op=True)
         if not async_op:
-            for g in self.groups:
+            for g in (*self.groups, *self.frozen):
                 g.wait()
 
     def release(self) -> None:
-        for g in self.groups:
+        for g in (*self.groups, *self.frozen):
             g.release()
+
+    def release_frozen_if_done(self) -> None:
+        """Release the frozen groups once backward is through this unit: every forward
+        whose backward began here has its inputs' gradients, and every trainable group its
+        gradients (an op whose only differentiable input is a trainable parameter may
+        still read a frozen weight until then)."""
+        if self.inputs_done and not self.active and self.pending_grads <= 0:
+            for g in self.frozen:
+                g.release()
+
+    def reset(self) -> None:
+        """After a backward: nothing gathered, nothing pending."""
+        self.release()
+        self.pending_grads = len(self.groups)
+        self.active.clear()
+        self.done.clear()
+        self.inputs_done = False
 
 
 class ParamCoordinator:
@@ -130,18 +164,51 @@ class ParamCoordinator:
         self._recording = True
         self._cursor = 0
         self._hooks: list[RemovableHandle] = []
-        if self.units:  # units[0] is the root: a forward starts the recorded order again
-            self._hooks.append(self.units[0].module.register_forward_pre_hook(
-                lambda m, args: None if _in_backward() else self.begin_forward()))
-        for unit in self.units:
-            if unit.groups:
+        self._entered: torch.nn.Module | None = None
+        if self.units:  # units[0] is the root: entering it starts the recorded order again
+            inner = {id(u.module) for u in self.units[1:]}
+            for module in _entry_chain(self.units[0].module, inner):
+                self._hooks.append(module.register_forward_pre_hook(
+                    lambda m, args, kwargs: self._enter_root(m, (args, kwargs)),
+                    with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(
+                    lambda m, args, kwargs, out: self._leave_root(m, (args, kwargs), out),
+                    with_kwargs=True))
+        for unit in self.units[1:]:
+            if unit.groups or unit.frozen:
                 self._hooks.append(unit.module.register_forward_pre_hook(
-                    lambda m, args, u=unit: self._pre_forward(u)))
+                    lambda m, args, kwargs, u=unit: self._pre_forward(u, (args, kwargs)),
+                    with_kwargs=True))
                 self._hooks.append(unit.module.register_forward_hook(
-                    lambda m, args, out, u=unit: self._post_forward(u, out)))
+                    lambda m, args, kwargs, out, u=unit: self._post_forward(
+                        u, (args, kwargs), out), with_kwargs=True))
+        self._forwards = 0  # numbers each forward of a unit, for its backward's bookkeeping
 
     # forward ---------------------------------------------------------------------------
-    def _pre_forward(self, unit: Unit) -> None:
+    def _enter_root(self, module: torch.nn.Module, inputs) -> None:
+        """A forward entered the root unit, through the root or a wrapper chain below it
+        (PEFT's ``generate`` calls the wrapped model's forward, not the PeftModel's); the
+        outermost entry acts (a raised forward left ``_entered`` set: the same module
+        entering again starts afresh)."""
+        if self._entered is not None and self._entered is not module:
+            return
+        self._entered = module
+        if not _in_backward():
+            self.begin_forward()
+        root = self.units[0]
+        if root.groups or root.frozen:
+            self._pre_forward(root, inputs)
+
+    def _leave_root(self, module: torch.nn.Module, inputs, out) -> None:
+        if self._entered is not module:
+            return
+        self._entered = None
+        root = self.units[0]
+        if root.groups or root.frozen:
+            self._post_forward(root, inputs, out)
+
+    def _pre_forward(self, unit: Unit, inputs) -> None:
+        del inputs
         if _in_backward():
             unit.gather()  # activation checkpointing recomputes inside backward
             return
@@ -151,24 +218,57 @@ class ParamCoordinator:
         else:
             self._prefetch(self._advance(unit.index), +1)
 
-    def _post_forward(self, unit: Unit, out) -> None:
+    def _post_forward(self, unit: Unit, inputs, out) -> None:
         if _in_backward():
             return
         if torch.is_grad_enabled():
-            hooked = False
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
-                    hooked = True
-            if hooked:
+            outputs = [t for t in _tensors(out) if t.requires_grad]
+            if outputs:
+                self._forwards += 1
+                call = self._forwards
+                needs = [t for t in _tensors(inputs) if t.requires_grad] if unit.frozen else []
+                count = len(needs)
+                nodes: set[int] = set()
+                for t in outputs:
+                    hook = functools.partial(self._on_output_grad, unit, call, count)
+                    # on the node, not the tensor: the node's pre-hooks run after the
+                    # tensor's, so the next unit's input hook (on this same tensor) releases
+                    # its frozen groups before this unit gathers
+                    if t.grad_fn is None:
+                        t.register_hook(hook)
+                    elif id(t.grad_fn) not in nodes:
+                        nodes.add(id(t.grad_fn))
+                        t.grad_fn.register_prehook(hook)
+                for t in needs:
+                    t.register_hook(lambda grad, u=unit, c=call: self._input_grad(u, c))
                 unit.pending_grads = len(unit.groups)
         unit.release()
 
     # backward --------------------------------------------------------------------------
-    def _pre_backward(self, unit: Unit) -> None:
+    def _on_output_grad(self, unit: Unit, call: int, inputs: int, grad) -> None:
+        del grad
+        self._pre_backward(unit, call, inputs)
+
+    def _pre_backward(self, unit: Unit, call: int, inputs: int) -> None:
         unit.gather()
+        if unit.frozen and inputs and call not in unit.active and call not in unit.done:
+            unit.active[call] = inputs
         if not self._recording:
             self._prefetch(self._retreat(unit.index), -1)
+
+    def _input_grad(self, unit: Unit, call: int) -> None:
+        """A gradient reached one input of forward ``call`` of ``unit``: backward through
+        that forward is done once all of them have."""
+        left = unit.active.get(call)
+        if left is None:
+            return
+        if left > 1:
+            unit.active[call] = left - 1
+            return
+        del unit.active[call]
+        unit.done.add(call)
+        unit.inputs_done = True
+        unit.release_frozen_if_done()
 
     def on_grads_staged(self, group_index: int) -> None:
         """Stage 2's callback: every gradient of flat group ``group_index`` is staged."""
@@ -178,13 +278,14 @@ class ParamCoordinator:
         unit = self.units[u]
         unit.pending_grads -= 1
         if unit.pending_grads <= 0:
-            unit.release()
+            for g in unit.groups:
+                g.release()
+            unit.release_frozen_if_done()
 
     def end_backward(self) -> None:
         """After a backward: nothing stays gathered; the first pass fixes the order."""
         for unit in self.units:
-            unit.release()
-            unit.pending_grads = len(unit.groups)
+            unit.reset()
         if self.trace:
             self._recording = False
         self._cursor = len(self.trace)
@@ -229,6 +330,19 @@ class ParamCoordinator:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _entry_chain(root: torch.nn.Module, inner: set[int]) -> list[torch.nn.Module]:
+    """The root and the wrappers below it through which a forward may enter the root
+    unit: each module down to the first with parameters of its own or several children
+    (``inner``: the ids of the other units' modules, never entered this way)."""
+    chain = [root]
+    while True:
+        children = list(chain[-1].children())
+        if len(children) != 1 or id(children[0]) in inner or \
+                any(True for _ in chain[-1].parameters(recurse=False)):
+            return chain
+        chain.append(children[0])
 
 
 def _in_backward() -> bool:

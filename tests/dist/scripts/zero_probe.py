@@ -136,6 +136,8 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
                      for p in engine.module.parameters()),
         "groups": [[g.spec.numel, g.partitioned, g.dtype.itemsize] for g in zero.groups]
         if zero else [],
+        "frozen_groups": [[g.spec.numel, g.partitioned, g.dtype.itemsize]
+                          for g in zero.frozen_groups] if zero else [],
         "param_bytes_now": sum(p.numel() * p.element_size()
                                for p in engine.module.parameters()),
         "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen)}),
