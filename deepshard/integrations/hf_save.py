@@ -201,6 +201,8 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, *,
     weights_name = SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS
     sources = _sources(module, state_dict if given[main] else None,
                        exclude_frozen_parameters)
+    renamed = _converted_names(module, sources)
+    sources = renamed if renamed is not None else sources
     plan = plan_shards({k: _nbytes(t) for k, t in sources.items()}, max_shard_size,
                        weights_name)
     if given[main]:
@@ -210,7 +212,7 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, *,
         owners = lambda k: k % world  # noqa: E731
         collective = True
     failure, written = _write_shards(module, sources, plan, owners, rank, world, staging,
-                                     safe_serialization, collective)
+                                     safe_serialization, collective, renamed is None)
     reports = _all_gather((failure, written))
     failure = next((f for f, _ in reports if f is not None), None)
     module.config.dtype = str(module.dtype).split(".")[1]  # as transformers does, every rank
@@ -359,11 +361,11 @@ def _gather_values(tensors: Sequence[torch.Tensor], keep: set[int], gather: bool
 
 def _write_shards(module: torch.nn.Module, sources: Mapping[str, torch.Tensor],
                   plan: ShardPlan, owner: Callable[[int], int], rank: int, world: int,
-                  staging: Path, safe: bool, collective: bool
+                  staging: Path, safe: bool, collective: bool, convert: bool
                   ) -> tuple[str | None, dict[str, list[str]]]:
     """Write this rank's files of ``plan`` into ``staging``, round by round (see the module
     docstring). Returns the first failure (the rank still joins every gather after it) and
-    the keys each file written holds (after transformers' weight-name conversion)."""
+    the keys each file written holds (after any per-shard weight conversion)."""
     failure: str | None = None
     written: dict[str, list[str]] = {}
     for rnd in plan.rounds(world if collective else 1):
@@ -380,9 +382,29 @@ def _write_shards(module: torch.nn.Module, sources: Mapping[str, torch.Tensor],
             state = {key: values[id(sources[key])] for key in shard.keys}
             path = staging / shard.name
             failure = _attempt(functools.partial(_write_into, written, shard.name, module,
-                                                 state, path, safe))
+                                                 state, path, safe, convert))
             del values, state
     return failure, written
+
+
+def _converted_names(module: torch.nn.Module, sources: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor] | None:
+    """Saved name -> live tensor after transformers' ``revert_weight_conversion``, run on
+    shape-only stand-ins, when it only renames and reorders (it sorts the keys of a model
+    ``from_pretrained`` built); ``None`` when it computes new tensors: then each shard is
+    converted after its gather, as transformers' offloaded path does."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    standins = {k: torch.empty(_full_shape(v), dtype=v.dtype, device="meta")
+                for k, v in sources.items()}
+    key_of = {id(v): k for k, v in standins.items()}
+    try:
+        out = revert_weight_conversion(module, dict(standins))
+    except Exception:  # a converter that cannot run on meta tensors
+        return None
+    if any(id(v) not in key_of for v in out.values()):
+        return None
+    return {name: sources[key_of[id(v)]] for name, v in out.items()}
 
 
 def _revert_conversion(module: torch.nn.Module, state: dict[str, torch.Tensor]
@@ -401,14 +423,17 @@ def _revert_conversion(module: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 def _write_into(written: dict[str, list[str]], name: str, module: torch.nn.Module,
-                state: dict[str, torch.Tensor], path: Path, safe: bool) -> None:
-    written[name] = _write_file(module, state, path, safe)
+                state: dict[str, torch.Tensor], path: Path, safe: bool, convert: bool
+                ) -> None:
+    written[name] = _write_file(module, state, path, safe, convert)
 
 
 def _write_file(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path,
-                safe: bool) -> list[str]:
-    """Write one shard file; returns the keys it holds."""
-    state = _revert_conversion(module, state)
+                safe: bool, convert: bool) -> list[str]:
+    """Write one shard file (``convert``: revert the weight conversion first); returns the
+    keys it holds."""
+    if convert:
+        state = _revert_conversion(module, state)
     if safe:
         from safetensors.torch import save_file
 
