@@ -339,6 +339,24 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         return engine_io.save_16bit_model(self, save_dir, save_filename,
                                           exclude_frozen_parameters)
 
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """The model in the HF format (sharded safetensors with their index,
+        ``config.json``, generation config; a PEFT model's adapter), consolidated from any
+        ZeRO stage, the ranks writing shards in parallel: see
+        :func:`deepshard.integrations.hf_save.save_pretrained` for the keyword arguments.
+        Collective; needs transformers."""
+        from ..integrations.hf_save import save_pretrained
+
+        save_pretrained(self, save_directory, **kwargs)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict:
+        """DeepSpeed's name (what HF's Trainer and Accelerate call): the module's whole
+        state dict on rank 0 (empty elsewhere), at any stage. Collective."""
+        from ..integrations.hf_save import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
