@@ -183,7 +183,7 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, *,
     """
     module = _module_of(engine)
     target = _target_dir(save_directory)
-    rank, world = _rank_world()
+    rank, _ = _rank_world()
     main = _main_rank(is_main_process, rank)
     staging = target / STAGING
     if rank == main:
@@ -192,27 +192,30 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, *,
     _broadcast(None, main)  # the staging directory exists before anyone writes there
     if _is_peft(module):
         _save_peft(module, staging, target, main, rank, safe_serialization, state_dict)
-        return
-    _require_transformers_model(module)
+    else:
+        _require_transformers_model(module)
+        _save_model(module, staging, target, main, max_shard_size, exclude_frozen_parameters,
+                    safe_serialization, state_dict)
+
+
+def _save_model(module: Any, staging: Path, target: Path, main: int,
+                max_shard_size: int | str, exclude_frozen: bool, safe: bool,
+                state_dict: dict[str, torch.Tensor] | None) -> None:
+    """A transformers model: plan, write in rounds, and let the main rank commit."""
+    rank, world = _rank_world()
     given = _all_gather(state_dict is not None)
     if any(given) and not given[main]:
         raise UsageError("state_dict was passed on some ranks but not on the main one",
                          where=_WHERE, hint="pass the state dict on the main rank (rank 0)")
-    weights_name = SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS
-    sources = _sources(module, state_dict if given[main] else None,
-                       exclude_frozen_parameters)
+    weights_name = SAFE_WEIGHTS if safe else BIN_WEIGHTS
+    sources = _sources(module, state_dict if given[main] else None, exclude_frozen)
     renamed = _converted_names(module, sources)
     sources = renamed if renamed is not None else sources
     plan = plan_shards({k: _nbytes(t) for k, t in sources.items()}, max_shard_size,
                        weights_name)
-    if given[main]:
-        owners = lambda k: main  # noqa: E731
-        collective = False
-    else:
-        owners = lambda k: k % world  # noqa: E731
-        collective = True
-    failure, written = _write_shards(module, sources, plan, owners, rank, world, staging,
-                                     safe_serialization, collective, renamed is None)
+    collective = not given[main]  # a given state dict: the main rank writes every file
+    failure, written = _write_shards(module, sources, plan, main, rank, world, staging,
+                                     safe, collective, renamed is None)
     reports = _all_gather((failure, written))
     failure = next((f for f, _ in reports if f is not None), None)
     module.config.dtype = str(module.dtype).split(".")[1]  # as transformers does, every rank
@@ -360,12 +363,15 @@ def _gather_values(tensors: Sequence[torch.Tensor], keep: set[int], gather: bool
 
 
 def _write_shards(module: torch.nn.Module, sources: Mapping[str, torch.Tensor],
-                  plan: ShardPlan, owner: Callable[[int], int], rank: int, world: int,
+                  plan: ShardPlan, main: int, rank: int, world: int,
                   staging: Path, safe: bool, collective: bool, convert: bool
                   ) -> tuple[str | None, dict[str, list[str]]]:
     """Write this rank's files of ``plan`` into ``staging``, round by round (see the module
     docstring). Returns the first failure (the rank still joins every gather after it) and
     the keys each file written holds (after any per-shard weight conversion)."""
+    def owner(k: int) -> int:
+        return k % world if collective else main
+
     failure: str | None = None
     written: dict[str, list[str]] = {}
     for rnd in plan.rounds(world if collective else 1):
