@@ -375,10 +375,31 @@ def load_partitioned(model: Any, state_dict: dict | None, checkpoint_files: list
                        "conversion at a time, then cut", len(converted), next(iter(converted)))
     for target, job in converted.items():
         _load_converted(model, target, job, info, load_config)
+    _untie_differing(model, info)
     model._weight_conversions = [m for m in mapping if m.was_used()]
     model.__dict__[_LOADING] = True
     setattr(model, _BYTES, ckpt.bytes_read)
     return info
+
+
+def _untie_differing(model: Any, info: Any) -> None:
+    """transformers does not tie two weights the checkpoint holds with different values;
+    its check compares ``p.data``, empty here, so compare the slices instead."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for target, source in list(tied.items()):
+        if target in info.missing_keys or source in info.missing_keys:
+            continue
+        a, b = model.get_parameter(source), model.get_parameter(target)
+        if not (hasattr(a, "ds_shard") and hasattr(b, "ds_shard")):
+            continue
+        differ = torch.tensor(int(a.ds_shape != b.ds_shape or not torch.equal(a.ds_shard,
+                                                                              b.ds_shard)))
+        dist.all_reduce(differ)
+        if differ.item():
+            logger.warning("%s and %s are tied in the config but differ in the checkpoint: "
+                           "not tied (set tie_word_embeddings=False to silence this)",
+                           source, target)
+            tied.pop(target)
 
 
 def _dtype_rule(load_config: Any, meta: dict) -> Callable[[str], torch.dtype | None]:

@@ -9,6 +9,7 @@ weights kept, and the stage-3 engine's logits equal to plain transformers'.
 from __future__ import annotations
 
 import gc
+import json
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,19 @@ def test_a_state_dict_is_cut_too(one_rank, ckpts):
     assert_partitioned(model)
     for name, value in whole(model).items():
         assert torch.equal(value, plain.get_parameter(name)), name
+    del cfg
+
+
+def test_weights_tied_in_config_but_different_in_checkpoint_stay_apart(one_rank, tmp_path):
+    path = save_tiny("llama", tmp_path / "untied", tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path)
+    cfg = HfDeepShardConfig(STAGE3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert plain.lm_head.weight is not plain.model.embed_tokens.weight  # transformers' rule
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(whole(model)["lm_head.weight"], plain.lm_head.weight)
     del cfg
 
 
