@@ -12,9 +12,10 @@ handling, missing-key initialisation, weight tying, the loading report, ``eval()
 the generation config) and replaces only the step that reads the tensors: each rank reads
 with ``safetensors``' ``get_slice`` exactly the elements of its slices, so no rank ever
 holds a whole parameter read from the checkpoint. Parameters missing from the checkpoint
-are built whole by transformers' initialisers, one model at a time as transformers does,
-then cut (rank 0's values); weights that a conversion (e.g. fusing experts) has to
-combine are read whole one conversion at a time, then cut.
+(or mismatched, with ``ignore_mismatched_sizes``) are made whole by transformers and
+initialised by its initialisers, then cut to rank 0's values; weights that a conversion
+(e.g. Mixtral's per-expert tensors fused into one) has to combine are read whole, one
+conversion at a time, then cut.
 
 The registration is process-wide, as transformers' ``HfDeepSpeedConfig``'s is, because
 ``from_pretrained`` is a classmethod called with no handle on the config: it lives on
