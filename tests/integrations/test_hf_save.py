@@ -135,6 +135,18 @@ def test_stage3_engine_in_one_process(tmp_path, one_process):
     engine.destroy()
 
 
+def test_model_built_under_zero_init(tmp_path, one_process):
+    torch.manual_seed(0)
+    with deepshard.zero.Init():
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert any(hasattr(p, "ds_shard") and p.numel() == 0 for p in model.parameters())
+    save_pretrained(model, tmp_path, max_shard_size="20KB")
+    full = consolidated_16bit_state_dict(model)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_same_state(loaded.state_dict(), full)
+    assert all(p.numel() == 0 for p in model.parameters() if hasattr(p, "ds_shard"))
+
+
 def test_single_file_replaces_an_earlier_sharded_save(tmp_path):
     save_pretrained(tiny("llama", seed=1), tmp_path, max_shard_size="20KB")
     model = tiny("llama")
@@ -182,6 +194,8 @@ def test_usage_errors(tmp_path, monkeypatch):
         save_pretrained(tiny("llama"), tmp_path / "file")
     with pytest.raises(UsageError, match="not a transformers PreTrainedModel"):
         save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")
+    with pytest.raises(UsageError, match="no rank passed is_main_process=True"):
+        save_pretrained(tiny("llama"), tmp_path / "nobody", is_main_process=False)
 
     class Memory:
         available = 1000
