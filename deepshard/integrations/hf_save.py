@@ -285,6 +285,11 @@ def _require_transformers_model(module: torch.nn.Module) -> None:
                          f"transformers PreTrainedModel or a peft PeftModel", where=_WHERE,
                          hint="save other models with engine.save_16bit_model or "
                               "consolidated_16bit_state_dict(engine)")
+    if getattr(module, "_hf_peft_config_loaded", False):
+        raise UsageError("the model carries adapters loaded through transformers' "
+                         "load_adapter; saving only those is not supported here",
+                         where=_WHERE, hint="train a peft.get_peft_model(...) model instead: "
+                                            "its adapter is saved as peft saves it")
 
 
 def _sources(module: torch.nn.Module, given: Mapping[str, torch.Tensor] | None,
@@ -452,6 +457,16 @@ def _write_file(module: torch.nn.Module, state: dict[str, torch.Tensor], path: P
 def _finish_model(module: Any, plan: ShardPlan, weight_map: dict[str, str], staging: Path,
                   target: Path, weights_name: str) -> None:
     """Main rank: write the configs (and the index) into ``staging``, then commit."""
+    missing = sorted({n for n in weight_map.values() if not (staging / n).is_file()})
+    if missing:
+        raise UsageError(f"{len(missing)} weights files other ranks wrote are not in "
+                         f"{staging} on the main rank (e.g. {missing[0]})", where=_WHERE,
+                         hint="every rank writes its shards: save into a directory on a "
+                              "filesystem all nodes share")
+    if module.is_remote_code():  # a trust_remote_code model: its code goes along
+        from transformers.dynamic_module_utils import custom_object_save
+
+        custom_object_save(module, staging, config=module.config)
     module.config.save_pretrained(staging)
     if module.can_generate():
         module.generation_config.save_pretrained(staging)

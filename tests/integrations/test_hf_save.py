@@ -177,6 +177,23 @@ def test_failed_write_keeps_the_earlier_save(tmp_path, monkeypatch):
     assert_same_state(loaded.state_dict(), first.state_dict())
 
 
+def test_shards_written_elsewhere_are_not_committed(tmp_path, monkeypatch):
+    """Another node's rank wrote to its own disk: the main rank refuses to commit."""
+    write_file = hf_save._write_file
+    elsewhere = tmp_path / "other_node"
+    elsewhere.mkdir()
+
+    def on_another_disk(module, state, path, *rest):
+        if path.name.startswith("model-00002"):
+            return write_file(module, state, elsewhere / path.name, *rest)
+        return write_file(module, state, path, *rest)
+
+    monkeypatch.setattr(hf_save, "_write_file", on_another_disk)
+    with pytest.raises(UsageError, match="a filesystem all nodes share"):
+        save_pretrained(tiny("llama"), tmp_path / "model", max_shard_size="20KB")
+    assert files_of(tmp_path / "model") == []
+
+
 def test_given_state_dict_and_bin_files(tmp_path):
     model = tiny("gpt2")
     save_pretrained(model, tmp_path, state_dict=model.state_dict(), safe_serialization=False,
