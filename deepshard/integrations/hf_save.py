@@ -51,6 +51,7 @@ BIN_WEIGHTS = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 STAGING = ".deepshard-save.partial"
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's
+GATHER_CHUNK = 2**30  # bytes gathered at once by consolidated_16bit_state_dict
 _SHARD_NAME = re.compile(r"(.*?)-\d{5}-of-\d{5}")
 _WHERE = "save_pretrained"
 
@@ -251,8 +252,12 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
         raise UsageError(failure, where="consolidated_16bit_state_dict",
                          hint="write it shard by shard with deepshard.integrations.hf_save."
                               "save_pretrained(engine, save_directory)")
-    values = _gather_values(list(unique.values()), set(unique) if rank == 0 else set(),
-                            gather=True)
+    values: dict[int, torch.Tensor] = {}
+    chunks = plan_shards({str(i): _nbytes(t) for i, t in unique.items()}, GATHER_CHUNK)
+    for chunk in chunks.files:  # gathered a chunk at a time: never the whole model
+        tensors = [unique[int(i)] for i in chunk.keys]
+        values.update(_gather_values(tensors, set(unique) if rank == 0 else set(),
+                                     gather=True))
     return {key: values[id(t)] for key, t in sources.items()} if rank == 0 else {}
 
 

@@ -109,7 +109,7 @@ def one_process(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_stage3_engine_in_one_process(tmp_path, one_process):
+def test_stage3_engine_in_one_process(tmp_path, one_process, monkeypatch):
     model = tiny("llama")
     model.model.layers[0].mlp.requires_grad_(False)
     engine, _, _, _ = deepshard.initialize(
@@ -121,6 +121,7 @@ def test_stage3_engine_in_one_process(tmp_path, one_process):
     assert any(p.numel() == 0 for p in model.parameters()), "nothing partitioned"
     save_pretrained(engine, tmp_path / "all", max_shard_size="20KB")
     save_pretrained(engine, tmp_path / "trainable", exclude_frozen_parameters=True)
+    monkeypatch.setattr(hf_save, "GATHER_CHUNK", 10_000)  # gathered in several chunks
     full = consolidated_16bit_state_dict(engine)
     with deepshard.zero.GatheredParameters(list(model.parameters())):
         want = {k: v.detach().clone() for k, v in model.state_dict().items()}
