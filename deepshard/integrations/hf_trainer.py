@@ -149,10 +149,7 @@ class Trainer(transformers.Trainer):
         if not self.is_deepshard_enabled:
             return super()._prepare_for_training(max_steps, train_dataloader,
                                                  resume_from_checkpoint)
-        if self._created_lr_scheduler:
-            self.lr_scheduler = None
-            self._created_lr_scheduler = False
-        engine = self._build_engine(max_steps)
+        engine = self._engine_for_training(max_steps)
         if resume_from_checkpoint is not None:
             self._load_engine_checkpoint(resume_from_checkpoint)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
@@ -160,6 +157,25 @@ class Trainer(transformers.Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return engine, train_dataloader
+
+    def _engine_for_training(self, max_steps: int):
+        """A fresh training engine (the one ``evaluate()`` built ahead at ZeRO-3, when
+        it is for these steps and has not stepped), as ``deepspeed_init`` re-inits."""
+        engine = self.deepspeed
+        if (engine is not None and getattr(self, "_engine_steps", None) == max_steps
+                and engine.global_steps == 0):
+            return engine
+        if engine is not None and self.deepshard_config.is_zero3():
+            raise UsageError("this Trainer's model is already partitioned by an engine "
+                             "built for other steps (an earlier train(), or evaluate() "
+                             "without a train_dataset)", where="Trainer.train()",
+                             hint="at ZeRO stage 3 build a new Trainer (and model) for "
+                                  "another training run, or pass train_dataset= to the "
+                                  "Trainer before calling evaluate()")
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        return self._build_engine(max_steps)
 
     def _build_engine(self, max_steps: int):
         """Finalize the config, choose the optimizer and scheduler as transformers'
@@ -169,6 +185,8 @@ class Trainer(transformers.Trainer):
         cfg = self.deepshard_config
         cfg.trainer_config_finalize(self.args, self.model, max_steps)
         cfg.fill_accelerate_defaults(self.model, self.args.world_size)
+        if self.deepspeed is not None:  # evaluate() before train(), or a second train()
+            self.deepspeed.destroy()
         self.optimizer = None
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer, scheduler = self._optimizer_and_scheduler(max_steps)
@@ -176,6 +194,7 @@ class Trainer(transformers.Trainer):
             model=self.model, model_parameters=params if optimizer is None else None,
             optimizer=optimizer, lr_scheduler=scheduler, config=cfg.config)
         self._attach(engine)
+        self._engine_steps = max_steps
         self.optimizer = DeepSpeedOptimizerWrapper(opt)
         if sched is not None:  # the engine steps it
             self.lr_scheduler = DeepSpeedSchedulerWrapper(sched, self.optimizer)
@@ -191,8 +210,9 @@ class Trainer(transformers.Trainer):
         config = self.deepshard_config.config
         optimizer = None
         if "optimizer" not in config:
+            # transformers also sets zero_allow_untested_optimizer, which deepshard does
+            # not need (any torch optimizer runs on ZeRO shards): left out, no warning
             optimizer = self.create_optimizer()
-            config["zero_allow_untested_optimizer"] = True
         if "scheduler" in config or optimizer is not None:
             return optimizer, None
 
@@ -213,9 +233,17 @@ class Trainer(transformers.Trainer):
         comes before ``train()``)."""
         if not self.is_deepshard_enabled:
             return super()._wrap_model(model, training, dataloader)
-        if self.deepspeed is None:
+        if self.deepspeed is None and self.deepshard_config.is_zero3() \
+                and self.train_dataset is not None:
+            # a ZeRO-3 module is partitioned by one engine only: the one train() will use
+            self._build_engine(self._planned_max_steps())
+        elif self.deepspeed is None:
             self._build_inference_engine()
         return self.deepspeed
+
+    def _planned_max_steps(self) -> int:
+        """The optimizer steps ``train()`` will run (transformers' own computation)."""
+        return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
 
     def _build_inference_engine(self) -> None:
         """transformers' ``deepspeed_init(inference=True)``: no optimizer, no scheduler."""
@@ -227,6 +255,7 @@ class Trainer(transformers.Trainer):
         config = {k: v for k, v in cfg.config.items() if k not in ("optimizer", "scheduler")}
         engine, *_ = deepshard.initialize(model=self.model, config=config)
         self._attach(engine)
+        self._engine_steps = None
 
     # -- checkpoints ---------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

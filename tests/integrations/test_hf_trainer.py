@@ -42,11 +42,12 @@ def read(out: Path, case: str) -> dict:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     """Stages 0-3 (stage 3 with checkpoints every 3 steps, evaluation and an HF save),
-    then stage 3 resumed from its checkpoint-3."""
+    stage 3 resumed from its checkpoint-3, stage 3 with ``evaluate()`` before ``train()``."""
     out = tmp_path_factory.mktemp("hf_trainer")
     run_script(out, "s0 --stage 0", "s1 --stage 1", "s2 --stage 2",
                "s3 --stage 3 --save_steps 3 --evaluate --save_model",
-               "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3")
+               "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
+               "s3evalfirst --stage 3 --eval_first")
     return out
 
 
@@ -105,6 +106,13 @@ def test_losses_match_plain_torch(job, expected, stage):
     assert close(got["grad_norms"], expected["grad_norms"]), (got["grad_norms"],
                                                               expected["grad_norms"])
     assert got["lrs"] == pytest.approx([0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025])
+
+
+def test_evaluate_before_train(job, expected):
+    """The eval set's samples are the first global batch's: its loss is step 1's."""
+    got = read(job, "s3evalfirst")
+    assert got["eval_loss_before"] == pytest.approx(expected["losses"][0], rel=RTOL)
+    assert close(got["losses"], expected["losses"]), (got["losses"], expected["losses"])
 
 
 def test_checkpoints_hold_the_engine_checkpoint_and_trainer_state(job):

@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--config_optim", action="store_true",
                    help="AdamW + WarmupDecayLR sections in the config (all auto)")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--save_model", action="store_true")
@@ -120,7 +122,7 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         weight_decay=0.01, max_grad_norm=args.clip, logging_steps=1, report_to="none",
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         train_sampling_strategy="sequential", seed=0, deepspeed=ds_config(args),
-        disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+        disable_tqdm=True, bf16=args.bf16, use_cpu=not torch.cuda.is_available())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     n = args.samples or args.steps * args.gas * args.micro * world
     history: list[dict] = []
@@ -131,11 +133,14 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
 
     trainer = Trainer(model=model, args=training, train_dataset=dataset(n),
                       eval_dataset=dataset(4 * world), callbacks=[Record()])
+    first = trainer.evaluate()["eval_loss"] if args.eval_first else None
     trainer.train(resume_from_checkpoint=args.resume)
     result = {"losses": [x["loss"] for x in history if "loss" in x],
               "grad_norms": [x.get("grad_norm") for x in history if "loss" in x],
               "lrs": [x["learning_rate"] for x in history if "loss" in x],
               "steps": [x["step"] for x in history if "loss" in x]}
+    if first is not None:
+        result["eval_loss_before"] = first
     if args.evaluate:
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
     if args.save_model:
