@@ -20,12 +20,8 @@ from huggingface_hub.serialization import split_state_dict_into_shards_factory
 import deepshard
 from deepshard.errors import UsageError
 from deepshard.integrations import hf_save
-from deepshard.integrations.hf_save import (
-    consolidated_16bit_state_dict,
-    parse_size,
-    plan_shards,
-    save_pretrained,
-)
+from deepshard.integrations.hf_save import consolidated_16bit_state_dict, save_pretrained
+from deepshard.integrations.hf_shards import parse_size, plan_shards
 from tests.helpers import ROOT, run_ds
 from tests.integrations.tiny import batch, tiny_config
 
