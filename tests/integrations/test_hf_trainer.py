@@ -42,12 +42,15 @@ def read(out: Path, case: str) -> dict:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     """Stages 0-3 (stage 3 with checkpoints every 3 steps, evaluation and an HF save),
-    stage 3 resumed from its checkpoint-3, stage 3 with ``evaluate()`` before ``train()``."""
+    stage 3 resumed from its checkpoint-3, stage 3 with ``evaluate()`` before ``train()``, a
+    LoRA adapter at stage 3 (checkpoints without the frozen base) and its resume."""
     out = tmp_path_factory.mktemp("hf_trainer")
     run_script(out, "s0 --stage 0", "s1 --stage 1", "s2 --stage 2",
                "s3 --stage 3 --save_steps 3 --evaluate --save_model",
                "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
-               "s3evalfirst --stage 3 --eval_first")
+               "s3evalfirst --stage 3 --eval_first",
+               "lora --stage 3 --lora --save_steps 3 --save_model",
+               "loraresumed --stage 3 --lora --resume {out}/lora/run/checkpoint-3")
     return out
 
 
@@ -152,6 +155,14 @@ def test_evaluate_and_save_model_in_hf_format(job, expected):
     with torch.no_grad():
         loss = saved(input_ids=ids, labels=ids).loss.item()
     assert loss == pytest.approx(got["eval_loss"], rel=1e-5)
+
+
+def test_lora_checkpoints_resume_and_save_the_adapter(job):
+    whole, resumed = read(job, "lora"), read(job, "loraresumed")
+    assert resumed["steps"] == [4, 5, 6]
+    assert close(resumed["losses"], whole["losses"][3:]), (resumed, whole)
+    assert (job / "lora" / "saved" / "adapter_model.safetensors").is_file()
+    assert (job / "lora" / "run" / "checkpoint-3" / "global_step3").is_dir()
 
 
 def test_training_arguments_keep_the_config_alive(tmp_path):

@@ -29,6 +29,8 @@ CASES = {
     "zero3-config-optim": "--stage 3 --config_optim",
     "zero2-bf16": "--stage 2 --bf16",
     "zero3-bf16": "--stage 3 --bf16",
+    "zero2-lora": "--stage 2 --lora",
+    "zero3-lora": "--stage 3 --lora",
 }
 
 

@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config_optim", action="store_true",
                    help="AdamW + WarmupDecayLR sections in the config (all auto)")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--lora", action="store_true", help="train a peft LoRA adapter")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
@@ -124,6 +125,11 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         train_sampling_strategy="sequential", seed=0, deepspeed=ds_config(args),
         disable_tqdm=True, bf16=args.bf16, use_cpu=not torch.cuda.is_available())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    if args.lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     n = args.samples or args.steps * args.gas * args.micro * world
     history: list[dict] = []
 
