@@ -245,6 +245,28 @@ class Trainer(transformers.Trainer):
         """The optimizer steps ``train()`` will run (transformers' own computation)."""
         return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
 
+    def _update_auto_batch_size(self, batch_size) -> None:
+        """``auto_find_batch_size`` retries with a smaller batch: the config is filled
+        again from the arguments for it (not checked against the micro-batch, as in
+        transformers) and the next ``train()`` builds a new engine."""
+        super()._update_auto_batch_size(batch_size)
+        if not self.is_deepshard_enabled:
+            return
+        if self.deepshard_config.is_zero3():
+            raise UsageError("auto_find_batch_size at ZeRO stage 3", where="TrainingArguments",
+                             hint="use ZeRO stage 0-2 with auto_find_batch_size, or set "
+                                  "per_device_train_batch_size (transformers does not "
+                                  "support it with DeepSpeed ZeRO-3 either)")
+        original = self.args.per_device_train_batch_size
+        self.args.per_device_train_batch_size = self._train_batch_size // max(1, self.args.n_gpu)
+        try:
+            config = HfTrainerDeepShardConfig(self.args.deepspeed)
+            config.trainer_config_process(self.args, auto_find_batch_size=True)
+        finally:
+            self.args.per_device_train_batch_size = original
+        self.args.hf_deepspeed_config = config
+        self._engine_steps = None  # rebuilt for the new batch size
+
     def _build_inference_engine(self) -> None:
         """transformers' ``deepspeed_init(inference=True)``: no optimizer, no scheduler."""
         import deepshard

@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config_optim", action="store_true",
                    help="AdamW + WarmupDecayLR sections in the config (all auto)")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--auto_batch", action="store_true", help="auto_find_batch_size")
     p.add_argument("--lora", action="store_true", help="train a peft LoRA adapter")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
     p.add_argument("--save_steps", type=int, default=0)
@@ -110,7 +111,7 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
     else:
         from transformers import TrainerCallback
 
-        from deepshard.integrations.hf_trainer import Trainer, TrainingArguments
+        from deepshard.integrations.transformers import Trainer, TrainingArguments
     import transformers
 
     out = Path(args.out_dir)
@@ -123,7 +124,8 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         weight_decay=0.01, max_grad_norm=args.clip, logging_steps=1, report_to="none",
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         train_sampling_strategy="sequential", seed=0, deepspeed=ds_config(args),
-        disable_tqdm=True, bf16=args.bf16, use_cpu=not torch.cuda.is_available())
+        disable_tqdm=True, bf16=args.bf16, auto_find_batch_size=args.auto_batch,
+        use_cpu=not torch.cuda.is_available())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if args.lora:
         import peft
