@@ -14,6 +14,7 @@ scheduler's step counts). A value that is not ``"auto"`` and disagrees with the
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
         super().__init__(config_file_or_dict)
         self._dtype: Any = None
         self.mismatches: list[Mismatch] = []
+        self._processed: tuple[dict, list[Mismatch]] | None = None
 
     def dtype(self):
         """The training dtype the config asks for (known after ``trainer_config_process``)."""
@@ -103,6 +105,7 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
         self.fill_match("fp16.enabled", args.fp16 or args.fp16_full_eval, "fp16|fp16_full_eval")
         self.fill_match("bf16.enabled", args.bf16 or args.bf16_full_eval, "bf16|bf16_full_eval")
         self._dtype = self._config_dtype()
+        self._processed = (copy.deepcopy(self.config), list(self.mismatches))
 
     def _fill_batch(self, args, auto_find_batch_size: bool) -> None:
         # DeepSpeed: train_batch_size = world * micro * accumulation
@@ -136,13 +139,18 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
     def trainer_config_finalize(self, args, model, num_training_steps: int) -> None:
         """Fill what needs the model and the step count (ZeRO buckets from the hidden size,
         the scheduler's ``total_num_steps`` and ``warmup_num_steps``), then raise every
-        mismatch recorded by either pass.
+        mismatch recorded by either pass. Each call starts again from what
+        ``trainer_config_process`` left (``self.config`` is updated in place), so that an
+        engine built for ``evaluate()`` (0 steps) and one for ``train()`` can follow each
+        other; transformers fills its config once and would then see its own 0 as a
+        mismatch.
 
         Raises:
             UsageError: one line naming each mismatched key and value with the
                 ``TrainingArguments`` field and value; or "auto" bucket sizes for a model
                 whose config has no hidden size.
         """
+        self._restore_processed()
         if any(self.is_auto(key) for key in HIDDEN_SIZE_KEYS):
             hidden = model_hidden_size(model, [k for k in HIDDEN_SIZE_KEYS if self.is_auto(k)])
             self.fill_only("zero_optimization.reduce_bucket_size", hidden * hidden)
@@ -157,6 +165,14 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
         self.fill_match("scheduler.params.warmup_num_steps",
                         max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps")
         self.raise_mismatches()
+
+    def _restore_processed(self) -> None:
+        if self._processed is None:
+            return
+        config, mismatches = self._processed
+        self.config.clear()
+        self.config.update(copy.deepcopy(config))
+        self.mismatches = list(mismatches)
 
     def raise_mismatches(self) -> None:
         """Raise the recorded mismatches as one :class:`UsageError` line (none: nothing)."""

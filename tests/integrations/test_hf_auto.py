@@ -158,3 +158,13 @@ def test_accelerate_fills_what_transformers_leaves():
 def test_dtype_before_process_is_an_error():
     with pytest.raises(UsageError, match="trainer_config_process"):
         HfTrainerDeepShardConfig({}).dtype()
+
+
+def test_finalize_again_for_other_steps_starts_from_the_processed_values(tmp_path):
+    args = training_args(tmp_path)
+    cfg = HfTrainerDeepShardConfig(ALL_AUTO)
+    cfg.trainer_config_process(args)
+    config = cfg.config
+    cfg.trainer_config_finalize(args, model(), 0)  # evaluate() first: an inference engine
+    cfg.trainer_config_finalize(args, model(), 40)  # then train(): no mismatch with the 0
+    assert cfg.config is config and config["scheduler"]["params"]["total_num_steps"] == 40
