@@ -43,14 +43,16 @@ def read(out: Path, case: str) -> dict:
 def job(tmp_path_factory) -> Path:
     """Stages 0-3 (stage 3 with checkpoints every 3 steps, evaluation and an HF save),
     stage 3 resumed from its checkpoint-3, stage 3 with ``evaluate()`` before ``train()``, a
-    LoRA adapter at stage 3 (checkpoints without the frozen base) and its resume."""
+    LoRA adapter at stage 3 (checkpoints without the frozen base) and its resume, stage 2
+    with ``load_best_model_at_end``."""
     out = tmp_path_factory.mktemp("hf_trainer")
     run_script(out, "s0 --stage 0", "s1 --stage 1", "s2 --stage 2",
                "s3 --stage 3 --save_steps 3 --evaluate --save_model",
                "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
                "s3evalfirst --stage 3 --eval_first",
                "lora --stage 3 --lora --save_steps 3 --save_model",
-               "loraresumed --stage 3 --lora --resume {out}/lora/run/checkpoint-3")
+               "loraresumed --stage 3 --lora --resume {out}/lora/run/checkpoint-3",
+               "best --stage 2 --best --save_steps 2 --evaluate")
     return out
 
 
@@ -163,6 +165,14 @@ def test_lora_checkpoints_resume_and_save_the_adapter(job):
     assert close(resumed["losses"], whole["losses"][3:]), (resumed, whole)
     assert (job / "lora" / "saved" / "adapter_model.safetensors").is_file()
     assert (job / "lora" / "run" / "checkpoint-3" / "global_step3").is_dir()
+
+
+def test_load_best_model_at_end(job):
+    state = json.loads((job / "best" / "run" / "checkpoint-6" / "trainer_state.json")
+                       .read_text())
+    evals = [x["eval_loss"] for x in state["log_history"] if "eval_loss" in x]
+    assert state["best_model_checkpoint"].endswith("checkpoint-4")
+    assert read(job, "best")["eval_loss"] == pytest.approx(min(evals), rel=RTOL)
 
 
 def test_training_arguments_keep_the_config_alive(tmp_path):

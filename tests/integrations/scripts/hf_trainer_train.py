@@ -41,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config_optim", action="store_true",
                    help="AdamW + WarmupDecayLR sections in the config (all auto)")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--best", action="store_true",
+                   help="evaluate every --save_steps and load_best_model_at_end")
     p.add_argument("--auto_batch", action="store_true", help="auto_find_batch_size")
     p.add_argument("--lora", action="store_true", help="train a peft LoRA adapter")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
@@ -125,7 +127,8 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         train_sampling_strategy="sequential", seed=0, deepspeed=ds_config(args),
         disable_tqdm=True, bf16=args.bf16, auto_find_batch_size=args.auto_batch,
-        use_cpu=not torch.cuda.is_available())
+        eval_strategy="steps" if args.best else "no", eval_steps=args.save_steps or None,
+        load_best_model_at_end=args.best, use_cpu=not torch.cuda.is_available())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if args.lora:
         import peft
