@@ -14,7 +14,8 @@ transformers' training loop unchanged: Accelerate stays in its plain multi-proce
 shards the data loaders) and its four engine-facing calls (``backward``,
 ``clip_grad_norm_``, ``no_sync``, ``unwrap_model``) are pointed at the engine, as
 Accelerate's DeepSpeed wrapper does. Checkpoints are the engine's (``checkpoint-N/global_stepN``)
-next to the Trainer's state; ``save_model`` writes the HF format.
+next to the Trainer's state; ``save_model`` writes the HF format
+(:func:`deepshard.integrations.hf_save.save_pretrained`, from any stage).
 """
 
 from __future__ import annotations
@@ -334,13 +335,15 @@ class Trainer(transformers.Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """The HF format (``save_pretrained``'s files) from the engine, on every rank (the
         gathers are collective; rank 0 writes), then the tokenizer and the arguments."""
-        if not self.is_deepshard_enabled or self.deepspeed is None:
+        if not self.is_deepshard_enabled or state_dict is not None:
             return super()._save(output_dir, state_dict)
+        from deepshard.integrations import hf_save
+
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
-        write_hf_model(self.deepspeed, output_dir, self.args.should_save,
-                       exclude_frozen=_is_peft(self.model))
+        # before train() there is no engine: the model itself (partitioned at stage 3)
+        source = self.deepspeed if self.deepspeed is not None else self.model
+        hf_save.save_pretrained(source, output_dir, is_main_process=self.args.should_save,
+                                exclude_frozen_parameters=_is_peft(self.model))
         if self.args.should_save:
             self._save_extras(output_dir)
         return None
@@ -352,32 +355,6 @@ class Trainer(transformers.Trainer):
         elif getattr(self.data_collator, "tokenizer", None) is not None:
             self.data_collator.tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-
-def write_hf_model(engine, output_dir: str, is_main_process: bool,
-                   exclude_frozen: bool = False) -> None:
-    """The engine's model in the HF format in ``output_dir`` (collective).
-
-    Uses :func:`deepshard.integrations.hf_save.save_pretrained` when it is there; without
-    it, the module's own ``save_pretrained`` (stages 0-2, whose ranks hold every weight),
-    and at stage 3 the engine checkpoint instead, as transformers does with DeepSpeed when
-    the weights are not gathered.
-    """
-    try:
-        from deepshard.integrations import hf_save
-    except ImportError:
-        hf_save = None
-    if hf_save is not None and hasattr(hf_save, "save_pretrained"):
-        hf_save.save_pretrained(engine, output_dir, is_main_process=is_main_process,
-                                exclude_frozen_parameters=exclude_frozen)
-        return
-    if engine.zero_optimization_stage() < 3:
-        engine.module.save_pretrained(output_dir, is_main_process=is_main_process)
-        return
-    if is_main_process:
-        logger.warning("ZeRO-3 weights are not gathered for an HF save here: saving the "
-                       "engine checkpoint instead (use zero_to_fp32.py to recover weights)")
-    engine.save_checkpoint(output_dir)
 
 
 def _is_peft(model) -> bool:

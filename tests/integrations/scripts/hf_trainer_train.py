@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
                    help="evaluate every --save_steps and load_best_model_at_end")
     p.add_argument("--auto_batch", action="store_true", help="auto_find_batch_size")
     p.add_argument("--lora", action="store_true", help="train a peft LoRA adapter")
+    p.add_argument("--save_first", action="store_true", help="save_model() before train()")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
@@ -144,6 +145,8 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
 
     trainer = Trainer(model=model, args=training, train_dataset=dataset(n),
                       eval_dataset=dataset(4 * world), callbacks=[Record()])
+    if args.save_first:
+        trainer.save_model(str(out / "saved_first"))
     first = trainer.evaluate()["eval_loss"] if args.eval_first else None
     trainer.train(resume_from_checkpoint=args.resume)
     result = {"losses": [x["loss"] for x in history if "loss" in x],
