@@ -191,6 +191,22 @@ def test_training_arguments_keep_the_config_alive(tmp_path):
     del args
 
 
+def test_hf_argument_parser_takes_a_config_file(tmp_path):
+    """``--deepspeed ds_config.json`` on a script's command line, as with DeepSpeed."""
+    import transformers
+
+    from deepshard.integrations.hf_trainer import TrainingArguments
+
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"gradient_accumulation_steps": "auto", // comments as DeepSpeed reads\n'
+                    ' "zero_optimization": {"stage": 2}}')
+    (args,) = transformers.HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--deepspeed", str(path), "--use_cpu",
+         "--gradient_accumulation_steps", "4", "--report_to", "none"])
+    assert isinstance(args, TrainingArguments) and args.deepspeed == str(path)
+    assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 4
+
+
 def test_a_mismatch_stops_train_with_one_line(tmp_path):
     """Raised where transformers raises it (the engine's build in ``train()``), before any
     process group: in this process."""
