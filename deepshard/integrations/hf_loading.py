@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 _REGISTRATION = "_deepshard_zero3"  # the attribute of PreTrainedModel holding it
 _LOADING = "_deepshard_partitioned_load"  # marks a model between load and finalize
 _BYTES = "_deepshard_bytes_read"
+BLOCK = 1 << 22  # elements per read (16 MiB of fp32): bounds the transient copies
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
@@ -244,16 +248,16 @@ class Checkpoint:
     """
 
     def __init__(self, files: Iterable[str] = (), state_dict: dict | None = None):
-        from safetensors import safe_open
-
         self.handles: dict[str, Any] = {}
+        self.pending: dict[str, set[str]] = {}
         self.where: dict[str, str] = {}
         self.memory = dict(state_dict or {})
         self.bytes_read = 0
         for file in files:
-            handle = safe_open(file, framework="pt")
+            handle = _open(file)
             self.handles[file] = handle
-            for key in handle.keys():  # noqa: SIM118 (not iterable)
+            self.pending[file] = set(handle.keys())
+            for key in self.pending[file]:
                 self.where[key] = file
         for key in self.memory:
             self.where[key] = "state_dict"
@@ -269,14 +273,37 @@ class Checkpoint:
     def _slice(self, key: str) -> Any:
         return self.handles[self.where[key]].get_slice(key)
 
-    def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor ``key`` (only those are read)."""
+    def read_into(self, key: str, lo: int, out: torch.Tensor) -> None:
+        """Elements ``[lo, lo + out.numel())`` of the flattened tensor ``key`` into ``out``
+        (1-D; cast to its dtype): only those are read, a bounded block at a time."""
         if key in self.memory:
-            part = self.memory[key].reshape(-1)[lo:hi]
+            out.copy_(self.memory[key].reshape(-1)[lo:lo + out.numel()])
+            self.bytes_read += out.numel() * self.memory[key].element_size()
         else:
-            part = read_range(self._slice(key), tuple(self.shape(key)), lo, hi)
-        self.bytes_read += part.numel() * part.element_size()
-        return part
+            sl = self._slice(key)
+            self.bytes_read += read_range(sl, tuple(sl.get_shape()), lo, out)
+
+    def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor ``key`` in its own dtype."""
+        dtype = self.memory[key].dtype if key in self.memory else _DTYPES.get(
+            self._slice(key).get_dtype())
+        if dtype is None:  # a dtype torch names differently (fp8...): read as it comes
+            whole = self._slice(key)[...].reshape(-1)
+            self.bytes_read += whole.numel() * whole.element_size()
+            return whole[lo:hi].clone()
+        out = torch.empty(max(0, hi - lo), dtype=dtype)
+        self.read_into(key, lo, out)
+        return out
+
+    def done(self, key: str) -> None:
+        """``key`` will not be read again: a file is closed once all its tensors are, so
+        that the pages of its mapping that were read stop counting in this rank's RSS."""
+        file = self.where[key]
+        left = self.pending.get(file)
+        if left is not None:
+            left.discard(key)
+            if not left:
+                del self.pending[file], self.handles[file]
 
     def read_whole(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (for buffers and conversions only)."""
@@ -284,34 +311,63 @@ class Checkpoint:
         return self.read(key, 0, math.prod(shape)).reshape(shape)
 
 
-def read_range(sl: Any, shape: tuple[int, ...], lo: int, hi: int,
-               index: tuple = ()) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the row-major tensor ``sl[index]`` of ``shape``, flattened,
-    with at most two partial-row reads per dimension besides one read of whole rows."""
+def _open(file: str) -> Any:
+    """``safe_open`` reading with ``pread`` where safetensors has it (0.8): a block read
+    is then its own bytes, not pages of a mapping of the file that count in the rank's
+    RSS until the file is closed."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="pt", backend="pread")
+    except TypeError:
+        return safe_open(file, framework="pt")
+
+
+def read_range(sl: Any, shape: tuple[int, ...], lo: int, out: torch.Tensor,
+               index: tuple = ()) -> int:
+    """Copy elements ``[lo, lo + out.numel())`` of the row-major tensor ``sl[index]`` of
+    ``shape``, flattened, into ``out``; returns the bytes read. Per dimension at most two
+    partial rows besides whole rows, these in blocks of about ``BLOCK`` elements (what
+    safetensors holds at once while copying)."""
+    hi = lo + out.numel()
     if hi <= lo:
-        return torch.empty(0)
+        return 0
     if not shape:
-        return sl[...].reshape(-1)
+        return _read_block(sl, ..., out)
     if len(shape) == 1:
-        last_dim = (*index, slice(lo, hi))
-        return sl[last_dim].reshape(-1)
+        return sum(_read_block(sl, (*index, slice(a, min(hi, a + BLOCK))),
+                               out[a - lo:min(hi, a + BLOCK) - lo])
+                   for a in range(lo, hi, BLOCK))
     row = math.prod(shape[1:])
     first, last = lo // row, (hi - 1) // row
     if first == last:
-        return read_range(sl, shape[1:], lo - first * row, hi - first * row, (*index, first))
-    parts, start, stop = [], first, last + 1
+        return read_range(sl, shape[1:], lo - first * row, out, (*index, first))
+    done, pos, start, stop = 0, 0, first, last + 1
     if lo % row:
-        parts.append(read_range(sl, shape[1:], lo % row, row, (*index, first)))
+        pos = row - lo % row
+        done += read_range(sl, shape[1:], lo % row, out[:pos], (*index, first))
         start += 1
     tail = hi - last * row
     if tail < row:
         stop -= 1
-    if start < stop:
-        rows = (*index, slice(start, stop))
-        parts.append(sl[rows].reshape(-1))
+    step = BLOCK // row
+    for r in range(start, stop, max(1, step)):
+        if step == 0:  # a row is bigger than a block: recurse into it
+            done += read_range(sl, shape[1:], 0, out[pos:pos + row], (*index, r))
+            pos += row
+            continue
+        end = min(stop, r + step)
+        done += _read_block(sl, (*index, slice(r, end)), out[pos:pos + (end - r) * row])
+        pos += (end - r) * row
     if tail < row:
-        parts.append(read_range(sl, shape[1:], 0, tail, (*index, last)))
-    return torch.cat(parts)
+        done += read_range(sl, shape[1:], 0, out[pos:], (*index, last))
+    return done
+
+
+def _read_block(sl: Any, key: Any, out: torch.Tensor) -> int:
+    block = sl[key]
+    out.copy_(block.reshape(-1))
+    return int(block.numel() * block.element_size())
 
 
 def _checkpoint_for(state_dict: dict | None, files: list[str] | None) -> Checkpoint:
@@ -368,8 +424,10 @@ def load_partitioned(model: Any, state_dict: dict | None, checkpoint_files: list
             job = converted.setdefault(target, copy.deepcopy(by_pattern[pattern]))
             job.add_tensor(target, key, pattern, functools.partial(
                 _whole_as, ckpt, key, dtype_of(target)))
+            continue  # read when its conversion runs
         else:
             _load_tensor(model, target, key, ckpt, dtype_of(target), info, load_config)
+        ckpt.done(key)
     if converted:
         logger.warning("ZeRO-3 loading: %d parameters (e.g. %s) come from a conversion of "
                        "several checkpoint tensors, which are read whole on every rank, one "
@@ -455,8 +513,9 @@ def _load_tensor(model: Any, target: str, key: str, ckpt: Checkpoint, dtype: tor
         return
     spec = ShardSpec(math.prod(shape), dist.get_world_size())
     lo, hi = spec.bounds(dist.get_rank())
-    part = ckpt.read(key, min(lo, spec.numel), min(hi, spec.numel))
-    module._parameters[name] = shard_parameter(part, spec, shape, dtype or part.dtype)
+    shard = torch.zeros(spec.shard, dtype=dtype or ref.dtype)
+    ckpt.read_into(key, lo, shard[:max(0, min(hi, spec.numel) - lo)])
+    module._parameters[name] = shard_parameter(shard, spec, shape)
 
 
 def _mismatch(info: Any, target: str, key: str, got: torch.Size, want: torch.Size,
@@ -469,12 +528,11 @@ def _mismatch(info: Any, target: str, key: str, got: torch.Size, want: torch.Siz
     info.mismatched_keys.add((target, got, want))
 
 
-def shard_parameter(part: torch.Tensor, spec: ShardSpec, shape: torch.Size,
-                    dtype: torch.dtype) -> torch.nn.Parameter:
-    """A ``zero.Init`` parameter whose slice is ``part`` (this rank's real elements of
-    a flat tensor split per ``spec``), zero-padded to the slice length."""
-    shard = torch.zeros(spec.shard, dtype=dtype)
-    shard[:part.numel()] = part
+def shard_parameter(shard: torch.Tensor, spec: ShardSpec,
+                    shape: torch.Size) -> torch.nn.Parameter:
+    """A ``zero.Init`` parameter of ``shape`` whose slice (split per ``spec``, zero-padded)
+    is ``shard``."""
+    dtype = shard.dtype
     p = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=dtype.is_floating_point)
     p.ds_shard, p.ds_shape, p.ds_numel, p.ds_pg = shard, torch.Size(shape), spec.numel, None
     p._is_hf_initialized = True
@@ -511,8 +569,10 @@ def _load_converted(model: Any, first: str, job: Any, info: Any, load_config: An
         else:
             spec = ShardSpec(value.numel(), dist.get_world_size())
             lo, hi = spec.bounds(dist.get_rank())
-            flat = value.reshape(-1)[min(lo, spec.numel):min(hi, spec.numel)]
-            module._parameters[name] = shard_parameter(flat, spec, value.shape, ref.dtype)
+            shard = torch.zeros(spec.shard, dtype=ref.dtype)
+            real = max(0, min(hi, spec.numel) - lo)
+            shard[:real] = value.reshape(-1)[lo:lo + real]
+            module._parameters[name] = shard_parameter(shard, spec, value.shape)
 
 
 @torch.no_grad()

@@ -51,6 +51,8 @@ def ckpts(tmp_path_factory) -> Path:
         save_tiny(kind, root / f"{kind}-sharded", max_shard_size="20KB")
     torch.manual_seed(0)
     transformers.AutoModel.from_config(tiny_config("qwen2")).save_pretrained(root / "qwen2-base")
+    save_tiny("llama", root / "llama-wide", max_shard_size="8MB", vocab_size=1024,
+              hidden_size=512, intermediate_size=1024, num_hidden_layers=4)  # 42 MB
     return root
 
 
@@ -68,7 +70,9 @@ def assert_partitioned(model) -> None:
 
 
 # the reader ---------------------------------------------------------------------------
-def test_read_range_reads_exactly_the_elements_asked_for(tmp_path):
+@pytest.mark.parametrize("block", [hf_loading.BLOCK, 3])
+def test_read_range_reads_exactly_the_elements_asked_for(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(hf_loading, "BLOCK", block)  # 3: rows of 7 read one by one
     values = {"cube": torch.arange(3 * 5 * 7.0).view(3, 5, 7), "line": torch.arange(11.0),
               "one": torch.tensor(4.0)}
     safetensors_torch.save_file(values, tmp_path / "t.safetensors")
@@ -297,3 +301,10 @@ def test_initialised_weights_are_the_same_on_every_rank(two_ranks, case):
         assert two_ranks[0][case]["missing"] == ["lm_head.weight"]
     else:
         assert 0.015 < two_ranks[0][case]["q_std"] < 0.025
+
+
+def test_peak_rss_while_loading_is_about_half_the_model(two_ranks):
+    for rank in range(2):
+        found = two_ranks[rank]["rss"]
+        assert found["all_empty"]
+        assert found["peak_growth"] < 0.7 * found["ckpt_bytes"], (rank, found)

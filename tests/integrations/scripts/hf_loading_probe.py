@@ -2,8 +2,9 @@
 every rank and saves what each rank sees to ``<out_dir>/rank<r>.pt``.
 
 Usage: ``hf_loading_probe.py --ckpt_root DIR --out_dir DIR``; the checkpoint root holds
-``<kind>-single`` and ``<kind>-sharded`` causal LM checkpoints and ``qwen2-base`` (the
-base model only). Per case: whether every parameter is empty with a ``1/W`` slice, the
+``<kind>-single`` and ``<kind>-sharded`` causal LM checkpoints, ``qwen2-base`` (the
+base model only) and ``llama-wide`` (a bigger one, for the peak RSS while loading). Per
+case: whether every parameter is empty with a ``1/W`` slice, the
 bytes read, the checkpoint's tensor bytes, whether tied weights are one object, the
 stage-3 engine's logits and, once the config is gone, the ordinary ``from_pretrained``'s.
 """
@@ -96,6 +97,25 @@ def from_config_case() -> dict:
     return found
 
 
+def status_kib(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def rss_case(path: Path) -> dict:
+    """The peak RSS growth while loading ``path`` partitioned (VmHWM reset just before)."""
+    cfg = HfDeepShardConfig(DS_CONFIG)
+    gc.collect()
+    before = status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    found = {"peak_growth": (status_kib("VmHWM") - before) * 1024,
+             "ckpt_bytes": checkpoint_bytes(path), **layout(model)}
+    del cfg
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt_root", type=Path, required=True)
@@ -107,6 +127,7 @@ def main() -> None:
              for kind in KINDS for layout_ in ("single", "sharded")}
     cases["qwen2-base"] = missing_case(root / "qwen2-base")
     cases["from_config"] = from_config_case()
+    cases["rss"] = rss_case(root / "llama-wide")
     out.mkdir(parents=True, exist_ok=True)
     torch.save(cases, out / f"rank{dist.get_rank()}.pt")
 
