@@ -1,0 +1,478 @@
+"""HF fine-tuning: deepshard against transformers + DeepSpeed, on 2 CPU ranks.
+
+One Llama built from a ``LlamaConfig`` (hidden 768, 12 layers, intermediate 2048, 12 heads,
+vocab 32000, untied head: 134.1M parameters, 512 MiB in fp32; ``--quick``: hidden 384,
+2 layers, 28.1M) is created once with seeded weights and saved with ``save_pretrained``
+(safetensors) to a temporary directory; every row loads it from there (no downloads).
+Each row runs as 2 fresh worker processes (``benchmarks/hf_worker.py``, gloo, one thread
+each, RANK/WORLD_SIZE/MASTER_* set directly, no launcher), one row after another; each
+worker reports its own figures (``ru_maxrss`` for peaks). Measurements:
+
+1. fine-tune (``train``), ZeRO stages 2 and 3, fp32 (bf16 is off: DeepSpeed's ZeRO takes
+   fp32 on CPU), AdamW lr 1e-4 wd 0.01, clipping 1.0, constant schedule, micro-batch
+   ``--micro-batch`` per rank, sequence 128, seeded random tokens, an all-"auto" HF config:
+   DeepSpeed through transformers' ``Trainer`` + ``TrainingArguments(deepspeed=cfg)``,
+   deepshard through ``deepshard.integrations.transformers.Trainer``/``TrainingArguments``
+   (the same arguments). The model is built after the arguments (at ZeRO-3 it loads
+   partitioned through them). Step time: rank 0's median of the optimizer steps after
+   ``--warmup``, from a ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``).
+   ``--driver initialize`` (or ``both``) adds rows driven by ``initialize`` on the same
+   HF model (a filled config, a barrier before and after each step); ``auto`` (default)
+   adds them only when deepshard's Trainer cannot be imported.
+2. loading partitioned at ZeRO-3 (``load``): a ``HfDeepSpeedConfig(cfg)`` /
+   ``HfDeepShardConfig(cfg)`` alive, then ``AutoModelForCausalLM.from_pretrained(dir)``;
+   baseline = ``ru_maxrss`` after the imports, the process group and the config object;
+   the table gives the baseline, the peak after loading and their difference (the load's
+   own peak), per rank.
+3. LoRA on a partitioned base (``lora``): the base loaded as in 2, peft LoRA r=8 on
+   q_proj/v_proj, ``initialize`` at ZeRO-3 with only the LoRA parameters trainable, a
+   few steps; per-rank parameter bytes: deepshard's ``engine.state_bytes()["params"]``,
+   DeepSpeed's partitions (``ds_tensor`` bytes, or the whole ``data`` of a parameter it
+   keeps whole), against the base model's bytes.
+
+Targets (printed with each table): step time no slower than DeepSpeed (ratio <= 1),
+training peak RSS below DeepSpeed's (< 1), loading peak <= 0.6x DeepSpeed's, LoRA per-rank
+parameter bytes ~ 1/N of the base (here <= 1.1/N).
+
+    python benchmarks/hf.py [--quick] [--parts train,load,lora] [--stages 2,3]
+                            [--driver auto|trainer|initialize|both] [--steps 3] [--warmup 1]
+                            [--rounds 1] [--micro-batch 1] [--output FILE] [--json FILE]
+
+The DeepSpeed rows run with ``--deepspeed-python`` (default /tmp/dsvenv/bin/python: DeepSpeed
+0.19.8, transformers, accelerate; peft for its LoRA row) with ``DS_ACCELERATOR=cpu`` and are
+skipped, with the reason, where it cannot import deepspeed. A deepshard row whose piece is
+missing or fails says ``failed: <the error line>``; the other rows still run. On CPU
+transformers' Trainer starts torch.distributed through Accelerate but not
+``deepspeed.comm``, so the DeepSpeed worker calls ``deepspeed.init_distributed()`` after
+``TrainingArguments`` (without it ``zero.Init`` counts one rank and fails its batch-size
+assertion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "hf_worker.py"
+sys.path.insert(0, str(HERE))
+
+from train import (  # noqa: E402
+    DEFAULT_DS_PYTHON,
+    RESULT_TAG,
+    WORLD,
+    cpu_model,
+    deepspeed_version,
+    error_line,
+    wait_all,
+)
+
+LORA_TOLERANCE = 1.1
+"""LoRA per-rank parameter bytes count as ~1/N of the base up to this factor."""
+LOAD_TARGET = 0.6
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement of one library: what the two workers are asked to do."""
+
+    part: str
+    """``train``, ``load`` or ``lora``."""
+    lib: str
+    """``deepshard`` or ``deepspeed``."""
+    stage: int = 3
+    driver: str = ""
+    """``trainer`` or ``initialize`` (``train`` only)."""
+
+    @property
+    def name(self) -> str:
+        tail = f"-{self.driver}" if self.driver else ""
+        return f"{self.lib}-{self.part}-z{self.stage}{tail}"
+
+    @property
+    def foreign(self) -> bool:
+        return self.lib == "deepspeed"
+
+
+@dataclass
+class Outcome:
+    row: Row
+    ranks: list[dict] = field(default_factory=list)
+    why_not: str = ""
+
+
+# ---------------------------------------------------------------- running the workers
+
+def run_row(row: Row, args: argparse.Namespace, model_dir: str) -> Outcome:
+    """Start the row's two ranks, wait, and collect their result lines; a failure is an
+    outcome (``why_not``), never an exception."""
+    from deepshard.launcher.cli import free_port
+
+    python = args.deepspeed_python if row.foreign else sys.executable
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if row.foreign:
+        env["DS_ACCELERATOR"] = "cpu"
+    argv = [python, str(WORKER), row.part, row.lib, "--model", model_dir,
+            "--stage", str(row.stage), "--driver", row.driver or "trainer",
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--micro-batch", str(args.micro_batch)]
+    print(f"running {row.name} ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{row.name}-") as tmp:
+        procs = []
+        for rank in range(WORLD):
+            stem = Path(tmp) / str(rank)
+            with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
+                procs.append(subprocess.Popen(
+                    argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT,
+                    stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+        codes = wait_all(procs, args.timeout)
+        if None in codes and all(code in (None, 0) for code in codes):
+            return Outcome(row, why_not=f"failed: timed out after {args.timeout:.0f} s")
+        failed = sorted((code == -signal.SIGKILL, rank) for rank, code in enumerate(codes)
+                        if code != 0)
+        if failed:
+            rank = failed[0][1]
+            line = error_line(Path(tmp) / f"{rank}.err")
+            return Outcome(row, why_not=f"failed: {line} (rank {rank}, exit {codes[rank]})")
+        ranks = []
+        for rank in range(WORLD):
+            out = (Path(tmp) / f"{rank}.out").read_text(errors="replace").splitlines()
+            lines = [line for line in out if line.startswith(RESULT_TAG)]
+            if not lines:
+                return Outcome(row, why_not=f"failed: rank {rank} exited without a result")
+            ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    return Outcome(row, ranks)
+
+
+def merge(outcomes: list[Outcome]) -> Outcome:
+    """One row's rounds: all timed steps, the highest peaks per rank."""
+    ran = [o for o in outcomes if o.ranks]
+    if not ran:
+        return outcomes[0]
+    ranks = []
+    for rank in range(WORLD):
+        results = [o.ranks[rank] for o in ran]
+        merged = dict(results[-1])
+        if "step_s" in merged:
+            merged["step_s"] = [t for r in results for t in r["step_s"]]
+        for key in ("peak_rss_kib", "peak_kib", "load_peak_kib"):
+            if key in merged:
+                merged[key] = max(r[key] for r in results)
+        ranks.append(merged)
+    return Outcome(ran[0].row, ranks)
+
+
+def make_model(directory: str, quick: bool) -> dict:
+    argv = [sys.executable, str(WORKER), "make-model", directory] + (["--quick"] if quick else [])
+    done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"building the model failed: {done.stderr[-800:]}")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def deepshard_trainer_missing() -> str:
+    """Why deepshard's HF Trainer cannot be imported here, or ""."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "try:\n from deepshard.integrations.transformers import Trainer"
+         "\nexcept ImportError:\n from deepshard.integrations.hf_trainer import Trainer"],
+        capture_output=True, text=True, check=False)
+    return "" if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def deepspeed_has_peft(python: str) -> str:
+    probe = subprocess.run([python, "-c", "import peft"], capture_output=True, text=True,
+                           check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    return "" if probe.returncode == 0 else f"{python} cannot import peft"
+
+
+# ---------------------------------------------------------------- tables
+
+def mib(kib: float) -> str:
+    return f"{kib / 1024:.0f}"
+
+
+def verdict(ratio: float | None, target: float, strict: bool = False) -> str:
+    if ratio is None:
+        return "-"
+    ok = ratio < target if strict else ratio <= target
+    if ok:
+        return "met"
+    return f"MISSED by {(ratio / target - 1) * 100:.0f}%"
+
+
+def why(o: Outcome) -> str:
+    return o.why_not.replace("|", "\\|")
+
+
+def train_tables(outcomes: dict[str, Outcome], stages: list[int],
+                 drivers: list[str]) -> list[str]:
+    steps = ["**Step time** (rank 0's median s/optimizer step; target: deepshard/DeepSpeed "
+             "<= 1)", "",
+             "| stage | driver | deepshard s/step | DeepSpeed s/step | ratio | target <= 1 "
+             "| deepshard min-max | DeepSpeed min-max | final loss deepshard / DeepSpeed |",
+             "|---|---|---:|---:|---:|---|---|---|---|"]
+    peaks = ["**Training peak RSS** per rank (MiB, ru_maxrss of the whole run: model load, "
+             "engine, steps; target: deepshard/DeepSpeed < 1 on every rank)", "",
+             "| stage | driver | deepshard rank0 / rank1 | DeepSpeed rank0 / rank1 "
+             "| ratio (worst rank) | target < 1 | loaded param bytes/rank deepshard / "
+             "DeepSpeed (MiB) |",
+             "|---|---|---:|---:|---:|---|---|"]
+    notes: list[str] = []
+    for stage in stages:
+        for driver in drivers:
+            ours = outcomes.get(Row("train", "deepshard", stage, driver).name)
+            theirs = outcomes.get(Row("train", "deepspeed", stage, driver).name)
+            if ours is None or theirs is None:
+                continue
+            cells = []
+            for o in (ours, theirs):
+                if o.ranks:
+                    times = o.ranks[0]["step_s"]
+                    cells.append((statistics.median(times),
+                                  f"{min(times):.2f}-{max(times):.2f}",
+                                  o.ranks[0]["losses"][-1] if o.ranks[0]["losses"] else None))
+                else:
+                    cells.append(None)
+            ratio = cells[0][0] / cells[1][0] if cells[0] and cells[1] else None
+            losses = " / ".join(f"{c[2]:.4f}" if c and c[2] is not None else "-"
+                                for c in cells)
+            medians = [f"{c[0]:.3f}" if c else "-" for c in cells]
+            spreads = [c[1] if c else why(o) for c, o in zip(cells, (ours, theirs),
+                                                             strict=True)]
+            steps.append(f"| {stage} | {driver} | {medians[0]} | {medians[1]} | "
+                         + (f"{ratio:.2f}" if ratio is not None else "-")
+                         + f" | {verdict(ratio, 1.0)} | {spreads[0]} | {spreads[1]} | "
+                         f"{losses} |")
+            rss = [" / ".join(mib(r["peak_rss_kib"]) for r in o.ranks) if o.ranks else why(o)
+                   for o in (ours, theirs)]
+            worst = (max(a["peak_rss_kib"] / b["peak_rss_kib"]
+                         for a, b in zip(ours.ranks, theirs.ranks, strict=True))
+                     if ours.ranks and theirs.ranks else None)
+            held = " / ".join(f"{o.ranks[0]['loaded_params']['held'] / 2**20:.0f}"
+                              if o.ranks else "-" for o in (ours, theirs))
+            peaks.append(f"| {stage} | {driver} | {rss[0]} | {rss[1]} | "
+                         + (f"{worst:.2f}" if worst is not None else "-")
+                         + f" | {verdict(worst, 1.0, strict=True)} | {held} |")
+            for o in (ours, theirs):
+                if o.ranks and o.ranks[0].get("notes"):
+                    notes.append(f"- {o.row.name}: " + "; ".join(o.ranks[0]["notes"])
+                                 + f"; optimizer {o.ranks[0]['optimizer']}")
+    return steps + [""] + peaks + (["", *notes] if notes else [])
+
+
+def load_table(ours: Outcome | None, theirs: Outcome | None) -> list[str]:
+    lines = ["**Loading peak RSS** at ZeRO-3 (MiB per rank: baseline after imports + "
+             "process group + config object, peak after from_pretrained, and the load's own "
+             f"peak = their difference; target: deepshard/DeepSpeed <= {LOAD_TARGET})", "",
+             "| rank | deepshard baseline / peak / load | DeepSpeed baseline / peak / load "
+             f"| ratio load | target <= {LOAD_TARGET} | ratio peak | target <= {LOAD_TARGET} "
+             "| RSS after load deepshard / DeepSpeed | param bytes held deepshard / "
+             "DeepSpeed (MiB) | load s deepshard / DeepSpeed |",
+             "|---|---:|---:|---:|---|---:|---|---|---|---|"]
+    if ours is None or theirs is None:
+        return []
+    for rank in range(WORLD):
+        cells, figures = [], []
+        for o in (ours, theirs):
+            if not o.ranks:
+                cells.append(why(o))
+                figures.append(None)
+                continue
+            r = o.ranks[rank]
+            delta = r["peak_kib"] - r["before_peak_kib"]
+            cells.append(f"{mib(r['before_peak_kib'])} / {mib(r['peak_kib'])} / {mib(delta)}")
+            figures.append((delta, r["peak_kib"], r["after_now_kib"], r["params"]["held"],
+                            r["load_s"]))
+        a, b = figures
+        load = a[0] / b[0] if a and b else None
+        peak = a[1] / b[1] if a and b else None
+        now = " / ".join(mib(f[2]) if f else "-" for f in figures)
+        held = " / ".join(f"{f[3] / 2**20:.0f}" if f else "-" for f in figures)
+        secs = " / ".join(f"{f[4]:.1f}" if f else "-" for f in figures)
+        lines.append(f"| {rank} | {cells[0]} | {cells[1]} | "
+                     + (f"{load:.2f}" if load is not None else "-")
+                     + f" | {verdict(load, LOAD_TARGET)} | "
+                     + (f"{peak:.2f}" if peak is not None else "-")
+                     + f" | {verdict(peak, LOAD_TARGET)} | {now} | {held} | {secs} |")
+    return lines
+
+
+def lora_table(ours: Outcome | None, theirs: Outcome | None) -> list[str]:
+    if ours is None and theirs is None:
+        return []
+    target = LORA_TOLERANCE / WORLD
+    lines = [f"**LoRA on a ZeRO-3 base** (peft r=8 on q_proj/v_proj; per-rank parameter bytes "
+             f"between steps / the base model's bytes; target ~1/N = {1 / WORLD:.2f}, "
+             f"here <= {target:.2f})", "",
+             "| library | base MiB | per-rank param MiB (source) | fraction of base "
+             f"| target <= {target:.2f} | after load + peft MiB/rank | LoRA trainable MiB "
+             "| peak RSS rank0 / rank1 MiB | s/step | vs DeepSpeed |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---|"]
+    theirs_bytes = theirs_step = None
+    rows: list = []
+    for o in (ours, theirs):
+        if o is None:
+            continue
+        if not o.ranks:
+            rows.append(f"| {o.row.lib} | - | {why(o)} | - | - | - | - | - | - | - |")
+            continue
+        r = o.ranks[0]
+        if "state_bytes" in r:
+            held, source = r["state_bytes"]["params"], "engine.state_bytes()"
+        else:
+            held, source = r["after_steps"]["held"], "ds_tensor / data"
+        if o.row.lib == "deepspeed":
+            theirs_bytes, theirs_step = held, statistics.median(r["step_s"])
+        frac = held / r["base_bytes"]
+        rss = " / ".join(mib(x["peak_rss_kib"]) for x in o.ranks)
+        rows.append((o.row.lib, held, statistics.median(r["step_s"]),
+                     f"| {o.row.lib} | {r['base_bytes'] / 2**20:.1f} | "
+                     f"{held / 2**20:.1f} ({source}) | {frac:.3f} | {verdict(frac, target)} | "
+                     f"{r['after_peft']['held'] / 2**20:.1f} | "
+                     f"{r['trainable_bytes'] / 2**20:.2f} | {rss} | "
+                     f"{statistics.median(r['step_s']):.3f} |"))
+    for row in rows:
+        if isinstance(row, str):
+            lines.append(row)
+            continue
+        lib, held, step, text = row
+        ratio = (f"params x{held / theirs_bytes:.2f}, s/step x{step / theirs_step:.2f}"
+                 if lib == "deepshard" and theirs_bytes and theirs_step else "")
+        lines.append(f"{text} {ratio} |")
+    return lines
+
+
+# ---------------------------------------------------------------- main
+
+def git_commit() -> str:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 28M Llama instead of 134M")
+    parser.add_argument("--parts", default="train,load,lora",
+                        help="comma-separated subset of train, load, lora")
+    parser.add_argument("--stages", default="2,3", help="ZeRO stages for train")
+    parser.add_argument("--driver", default="auto",
+                        choices=["auto", "trainer", "initialize", "both"],
+                        help="train through HF Trainer, initialize, or both (auto: the Trainer,"
+                             " and initialize too when deepshard's Trainer is missing)")
+    parser.add_argument("--libs", default="deepshard,deepspeed")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per row")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every row this many times (alternating the library order)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="per rank, sequence 128")
+    parser.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per row")
+    parser.add_argument("--output", type=Path, help="also write the report (markdown) here")
+    parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    args = parser.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    stages = [int(s) for s in args.stages.split(",") if s.strip()]
+    libs = [lib.strip() for lib in args.libs.split(",") if lib.strip()]
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()
+
+    ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
+    trainer_missing = deepshard_trainer_missing()
+    drivers = {"trainer": ["trainer"], "initialize": ["initialize"],
+               "both": ["trainer", "initialize"],
+               "auto": ["trainer"] + (["initialize"] if trainer_missing else [])}[args.driver]
+    rows: list[Row] = []
+    for part in parts:
+        if part == "train":
+            rows += [Row("train", lib, stage, driver) for stage in stages
+                     for driver in drivers for lib in libs]
+        elif part in ("load", "lora"):
+            rows += [Row(part, lib) for lib in libs]
+        else:
+            parser.error(f"unknown part {part!r}")
+
+    def skipped(row: Row) -> str:
+        if row.foreign and ds_missing:
+            return f"skipped: {ds_missing}"
+        if row.foreign and row.part == "lora":
+            missing = deepspeed_has_peft(args.deepspeed_python)
+            return f"skipped: {missing}" if missing else ""
+        if row.lib == "deepshard" and row.driver == "trainer" and trainer_missing:
+            return f"failed: deepshard's Trainer is not importable: {trainer_missing}"
+        return ""
+
+    with tempfile.TemporaryDirectory(prefix="hf-bench-model-") as model_dir:
+        print(f"building the model in {model_dir} ...", file=sys.stderr, flush=True)
+        model = make_model(model_dir, args.quick)
+        runs: dict[str, list[Outcome]] = {row.name: [] for row in rows}
+        for round_ in range(max(1, args.rounds)):
+            order = rows if round_ % 2 == 0 else [r for pair in zip(rows[1::2], rows[::2],
+                                                                      strict=False)
+                                                  for r in pair] + rows[len(rows) // 2 * 2:]
+            for row in order:
+                reason = skipped(row)
+                outcome = Outcome(row, why_not=reason) if reason else run_row(row, args,
+                                                                              model_dir)
+                if outcome.why_not:
+                    print(f"{row.name}: {outcome.why_not}", file=sys.stderr, flush=True)
+                runs[row.name].append(outcome)
+        outcomes = {name: merge(o) for name, o in runs.items()}
+
+    import torch
+
+    finished = datetime.datetime.now(datetime.timezone.utc)
+    size = "quick" if args.quick else "full"
+    report = [
+        f"# HF fine-tuning: deepshard vs transformers + DeepSpeed ({started:%Y-%m-%d %H:%M} - "
+        f"{finished:%H:%M} UTC, commit {git_commit()})", "",
+        f"Llama from LlamaConfig ({size}: hidden {model['hidden']}, vocab {model['vocab']}, "
+        f"{model['params'] / 1e6:.1f}M parameters, {model['bytes'] / 2**20:.0f} MiB fp32), "
+        f"{WORLD} gloo ranks on CPU, 1 thread each, fp32, AdamW lr 1e-4 wd 0.01, clip 1.0, "
+        f"micro-batch {args.micro_batch}/rank, seq 128, gas 1; {args.rounds} round(s) x "
+        f"{args.steps} timed steps after {args.warmup} warm-up.",
+        f"{platform.node()}, {os.cpu_count()} cores ({cpu_model()}), Python "
+        f"{platform.python_version()}, torch {torch.__version__}"
+        + (f"; DeepSpeed side: {ds_label} ({args.deepspeed_python})" if ds_label else
+           f"; DeepSpeed side: {ds_missing}")
+        + f"; load average {load_before[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end "
+          "(other processes on the machine inflate step times).", ""]
+    if "train" in parts:
+        report += [*train_tables(outcomes, stages, drivers), ""]
+    if "load" in parts:
+        report += [*load_table(outcomes.get(Row("load", "deepshard").name),
+                                outcomes.get(Row("load", "deepspeed").name)), ""]
+    if "lora" in parts:
+        report += [*lora_table(outcomes.get(Row("lora", "deepshard").name),
+                                outcomes.get(Row("lora", "deepspeed").name)), ""]
+    text = "\n".join(report)
+    print(text)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({name: {"ranks": o.ranks, "why_not": o.why_not}
+                                         for name, o in outcomes.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
