@@ -80,7 +80,8 @@ def test_read_range_reads_exactly_the_elements_asked_for(tmp_path, monkeypatch, 
     for key, full in values.items():
         flat = full.reshape(-1)
         for lo in range(flat.numel() + 1):
-            for hi in range(lo, flat.numel() + 1):
+            n = flat.numel()  # ends inside, at and past row and matrix boundaries
+            for hi in sorted({min(n, lo + d) for d in (0, 1, 2, 6, 7, 8, 13, 34, 35, 36)} | {n}):
                 before = ckpt.bytes_read
                 assert torch.equal(ckpt.read(key, lo, hi), flat[lo:hi]), (key, lo, hi)
                 assert ckpt.bytes_read - before == 4 * (hi - lo)
