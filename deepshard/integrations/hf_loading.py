@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from deepshard.errors import UsageError
+from deepshard.runtime.zero.init import keep_shard
 from deepshard.runtime.zero.partition import ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -580,17 +581,6 @@ def partition_whole(model: torch.nn.Module) -> None:
     """Cut every whole parameter of ``model`` (those transformers initialised because the
     checkpoint lacked them) to this rank's slice of rank 0's values; parameters still on
     the meta device are left alone."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     for p in model.parameters():
-        if hasattr(p, "ds_shard") or p.is_meta:
-            continue
-        spec = ShardSpec(p.numel(), world)
-        flat = p.data.reshape(-1).contiguous()
-        if world > 1:
-            dist.broadcast(flat, src=0)
-        lo, hi = spec.bounds(rank)
-        shard = torch.zeros(spec.shard, dtype=p.dtype, device=p.device)
-        real = max(0, min(hi, spec.numel) - lo)
-        shard[:real] = flat[lo:lo + real]
-        p.ds_shard, p.ds_shape, p.ds_numel, p.ds_pg = shard, p.shape, spec.numel, None
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if not (hasattr(p, "ds_shard") or p.is_meta):
+            keep_shard(p, p.data, None, broadcast=True)

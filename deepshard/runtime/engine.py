@@ -258,14 +258,14 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
     def _apply(self) -> bool:
         cfg, strategy = self._config, self.strategy
         grads = strategy.unscaled_grads(inverse_scale(self.loss_scaler))
-        self._grad_norm = None
-        if cfg.gradient_clipping > 0 or self.loss_scaler is not None:
-            norm = strategy.gradient_norm(grads, self._norm_excluded, self.mp_group)
-            self._grad_norm = float(norm)
-            if self.loss_scaler is not None and self._skip_on_overflow():
-                return False
-            if cfg.gradient_clipping > 0:
-                clip_(grads, norm, cfg.gradient_clipping)
+        # the norm at every step, clipping or not: get_global_grad_norm() is what HF's
+        # Trainer logs as grad_norm, and DeepSpeed reports it without clipping too
+        norm = strategy.gradient_norm(grads, self._norm_excluded, self.mp_group)
+        self._grad_norm = float(norm)
+        if self.loss_scaler is not None and self._skip_on_overflow():
+            return False
+        if cfg.gradient_clipping > 0:
+            clip_(grads, norm, cfg.gradient_clipping)
         strategy.apply_step(self.optimizer)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -80,7 +80,7 @@ class EngineGetters:
         return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """Norm of the last step's gradients, when it was computed (clipping or fp16)."""
+        """Norm of the last step's gradients (before clipping; None before the first)."""
         return self._grad_norm
 
     def was_step_applied(self) -> bool:

@@ -109,7 +109,7 @@ class Init(contextlib.AbstractContextManager):
                 continue
             if self.dtype is not None and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
-            _keep_shard(p, p.data, self.pg, broadcast=True)
+            keep_shard(p, p.data, self.pg, broadcast=True)
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -121,8 +121,10 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def _keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool,
-                src_rank: int = 0) -> None:
+def keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool,
+               src_rank: int = 0) -> None:
+    """Make ``p`` a ``zero.Init`` parameter: keep this rank's slice of ``full`` (first
+    broadcast from ``src_rank`` of ``pg`` when ``broadcast``) and empty its ``.data``."""
     world = dist.get_world_size(pg)
     spec = ShardSpec(full.numel(), world)
     flat = full.reshape(-1).contiguous()
@@ -150,7 +152,7 @@ def init_repartition(p: torch.nn.Parameter, modifier_rank: int | None) -> None:
         if modifier_rank is None:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         else:
-            _keep_shard(p, p.data, p.ds_pg, broadcast=True, src_rank=modifier_rank)
+            keep_shard(p, p.data, p.ds_pg, broadcast=True, src_rank=modifier_rank)
 
 
 def full_value(p: torch.nn.Parameter) -> torch.Tensor:
@@ -204,4 +206,4 @@ def _whole(module: torch.nn.Module, pg):
     finally:
         with torch.no_grad():
             for p in own:
-                _keep_shard(p, p.data, pg, broadcast=True)
+                keep_shard(p, p.data, pg, broadcast=True)

@@ -201,37 +201,11 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
         unit_members = [[index[n] for n in members] for members in units_plan.params]
     plans = plan_groups(numels, [p.dtype for p in params], opt_members, cap, unit_members,
                         z.stage3_param_persistence_threshold if stage == 3 else 0)
-    offload_param = z.offload_param if stage == 3 and z.offload_param else None
-    host = offload_param is not None and offload_param.device in ("cpu", "nvme")
-    param_swapper = TensorSwapper(offload_param.nvme_path, rank, "params") \
-        if host and offload_param.device == "nvme" else None
-    shard_device = torch.device("cpu") if host else None
-    pin = bool(host and offload_param.pin_memory)
-
-    def flat_group(members, member_names, plan, key):
-        flat = layout(plan.params, [numel_of(p) for p in members])
-        g = FlatGroup(members, member_names, flat, world, rank, pg, plan.partitioned,
-                      shard_device=shard_device, pin_memory=pin, swapper=param_swapper,
-                      key=key)
-        for p in g.params:
-            p.ds_group = g
-        return g
-
-    groups = [flat_group([params[i] for i in plan.params], [names[i] for i in plan.params],
-                         plan, f"group{k}") for k, plan in enumerate(plans)]
-    frozen_groups, frozen_units = [], []
-    if stage == 3:
-        frozen_names, frozen = _frozen(module, params)
-        index = {n: i for i, n in enumerate(frozen_names)}
-        members = [[index[n] for n in unit] for unit in plan_units(module, frozen_names).params]
-        fplans = [plan for plan in plan_groups(
-            [numel_of(p) for p in frozen], [p.dtype for p in frozen],
-            [list(range(len(frozen)))], cap, members, z.stage3_param_persistence_threshold)
-            if plan.partitioned]  # small frozen parameters stay whole on every rank
-        frozen_groups = [flat_group([frozen[i] for i in plan.params],
-                                    [frozen_names[i] for i in plan.params], plan, f"frozen{k}")
-                         for k, plan in enumerate(fplans)]
-        frozen_units = [plan.unit for plan in fplans]
+    make = _GroupMaker.from_config(z if stage == 3 else None, world, rank, pg)
+    groups = [make([params[i] for i in plan.params], [names[i] for i in plan.params], plan,
+                   f"group{k}") for k, plan in enumerate(plans)]
+    frozen_groups, frozen_units = _frozen_groups(module, params, cap, z, make) \
+        if stage == 3 else ([], [])
     materialize(module)  # zero.Init parameters that no group took (small frozen ones)
     coordinator = None
     if stage == 3:
@@ -256,8 +230,55 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
     whole = sum(p.numel() * p.element_size() for p in module.parameters()
                 if id(p) not in trainable and not hasattr(p, "ds_group"))
     return ZeroStrategy(stage, tuple(params), tuple(names), pg, world, groups, grads,
-                        stepper, coordinator, opt_groups, whole, param_swapper,
+                        stepper, coordinator, opt_groups, whole, make.swapper,
                         frozen_groups)
+
+
+@dataclass(frozen=True)
+class _GroupMaker:
+    """Builds the flat groups of one engine: where their shards live (``offload_param``)
+    and over which ranks."""
+
+    world: int
+    rank: int
+    pg: dist.ProcessGroup | None
+    shard_device: torch.device | None = None
+    pin: bool = False
+    swapper: TensorSwapper | None = None
+
+    @classmethod
+    def from_config(cls, z, world: int, rank: int, pg) -> _GroupMaker:
+        """``z``: the zero_optimization section at stage 3 (else ``None``: no offload)."""
+        offload = z.offload_param if z is not None and z.offload_param else None
+        if offload is None or offload.device not in ("cpu", "nvme"):
+            return cls(world, rank, pg)
+        swapper = TensorSwapper(offload.nvme_path, rank, "params") \
+            if offload.device == "nvme" else None
+        return cls(world, rank, pg, torch.device("cpu"), bool(offload.pin_memory), swapper)
+
+    def __call__(self, members, member_names, plan, key: str) -> FlatGroup:
+        flat = layout(plan.params, [numel_of(p) for p in members])
+        g = FlatGroup(members, member_names, flat, self.world, self.rank, self.pg,
+                      plan.partitioned, shard_device=self.shard_device, pin_memory=self.pin,
+                      swapper=self.swapper, key=key)
+        for p in g.params:
+            p.ds_group = g
+        return g
+
+
+def _frozen_groups(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], cap: int,
+                   z, make: _GroupMaker) -> tuple[list[FlatGroup], list[int | None]]:
+    """Stage 3's partitioned groups of frozen parameters and the unit of each (those under
+    the persistence threshold stay whole on every rank)."""
+    names, frozen = _frozen(module, params)
+    index = {n: i for i, n in enumerate(names)}
+    members = [[index[n] for n in unit] for unit in plan_units(module, names).params]
+    plans = [plan for plan in plan_groups(
+        [numel_of(p) for p in frozen], [p.dtype for p in frozen], [list(range(len(frozen)))],
+        cap, members, z.stage3_param_persistence_threshold) if plan.partitioned]
+    groups = [make([frozen[i] for i in plan.params], [names[i] for i in plan.params], plan,
+                   f"frozen{k}") for k, plan in enumerate(plans)]
+    return groups, [plan.unit for plan in plans]
 
 
 def numel_of(p: torch.nn.Parameter) -> int:
