@@ -108,7 +108,7 @@ def run(stage: int, mode: str, out: Path) -> dict:
     prompt = batch(n=2, seq=6, seed=99)["input_ids"]
     with torch.no_grad():
         generated = engine.module.generate(input_ids=prompt, max_new_tokens=5, do_sample=False,
-                                           pad_token_id=0)
+                                           pad_token_id=0, synced_gpus=stage == 3)
     engine.save_checkpoint(out / f"{stage}-{mode}", exclude_frozen_parameters=True)
     result = {"rank": rank, "stage": stage, "mode": mode, "losses": losses,
               "after_init": facts, "after_steps": between, "generated": generated.tolist(),
