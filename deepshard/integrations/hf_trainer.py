@@ -166,13 +166,6 @@ class Trainer(transformers.Trainer):
         if (engine is not None and getattr(self, "_engine_steps", None) == max_steps
                 and engine.global_steps == 0):
             return engine
-        if engine is not None and self.deepshard_config.is_zero3():
-            raise UsageError("this Trainer's model is already partitioned by an engine "
-                             "built for other steps (an earlier train(), or evaluate() "
-                             "without a train_dataset)", where="Trainer.train()",
-                             hint="at ZeRO stage 3 build a new Trainer (and model) for "
-                                  "another training run, or pass train_dataset= to the "
-                                  "Trainer before calling evaluate()")
         if self._created_lr_scheduler:
             self.lr_scheduler = None
             self._created_lr_scheduler = False

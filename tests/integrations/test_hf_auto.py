@@ -9,8 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("transformers")
-
 from deepshard.errors import UsageError
 from deepshard.integrations.hf_auto import HfTrainerDeepShardConfig
 from deepshard.integrations.hf_config import HfDeepShardConfig

@@ -13,18 +13,16 @@ import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
+import transformers
 
 from deepshard.errors import UsageError
+from deepshard.integrations import hf_loading
+from deepshard.integrations.hf_config import HfDeepShardConfig
 from tests.helpers import ROOT, run_ds
 from tests.integrations.tiny import KINDS, save_tiny, tiny_config
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-from deepshard.integrations import hf_loading  # noqa: E402
-from deepshard.integrations.hf_config import HfDeepShardConfig  # noqa: E402
 
 PROBE = ROOT / "tests" / "integrations" / "scripts" / "hf_loading_probe.py"
 STAGE3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}

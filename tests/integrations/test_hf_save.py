@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-pytest.importorskip("transformers")
-
 import transformers
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 

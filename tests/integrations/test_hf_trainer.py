@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-
 from tests.helpers import ROOT, run_ds
 
 SCRIPT = ROOT / "tests" / "integrations" / "scripts" / "hf_trainer_train.py"
@@ -50,6 +48,7 @@ def job(tmp_path_factory) -> Path:
                "s3 --stage 3 --save_steps 3 --evaluate --save_model",
                "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
                "s3evalfirst --stage 3 --eval_first",
+               "s3twice --stage 3 --twice",
                "lora --stage 3 --lora --save_steps 3 --save_model",
                "loraresumed --stage 3 --lora --resume {out}/lora/run/checkpoint-3",
                "best --stage 2 --best --save_steps 2 --evaluate")
@@ -118,6 +117,16 @@ def test_evaluate_before_train(job, expected):
     got = read(job, "s3evalfirst")
     assert got["eval_loss_before"] == pytest.approx(expected["losses"][0], rel=RTOL)
     assert close(got["losses"], expected["losses"]), (got["losses"], expected["losses"])
+
+
+def test_a_second_train_at_stage_3_goes_on_from_the_trained_weights(job, expected):
+    """A new engine over the module the first one left partitioned: the first run is the
+    uninterrupted one, the second starts its schedule again from the trained weights."""
+    got = read(job, "s3twice")
+    first, second = got["losses"][:6], got["losses"][6:]
+    assert close(first, expected["losses"]), (first, expected["losses"])
+    assert len(second) == 6 and second[0] < first[0]
+    assert got["lrs"][6:] == pytest.approx(got["lrs"][:6])
 
 
 def test_checkpoints_hold_the_engine_checkpoint_and_trainer_state(job):

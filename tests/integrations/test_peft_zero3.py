@@ -59,3 +59,14 @@ def test_checkpoint_without_the_frozen_base(runs):
     _, out = runs
     state = deepshard.get_fp32_state_dict(out / "3-plain")
     assert state and all("lora_" in name for name in state), sorted(state)[:5]
+
+
+def test_a_model_partitioned_by_an_earlier_engine_initializes_again():
+    """What the Trainer does for evaluate() then train(), or a second train(): a new
+    engine over a module that a destroyed stage-3 engine left partitioned."""
+    result = run_ds("--num_gpus", "2", str(ROOT / "tests" / "integrations" / "scripts" /
+                                          "reinit_probe.py"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    diffs = [json.loads(line.partition(" RESULT ")[2])["diffs"]
+             for line in result.stdout.splitlines() if " RESULT " in line]
+    assert len(diffs) == 2 and all(d == [0.0] * 4 for d in diffs), diffs

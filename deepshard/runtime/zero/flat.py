@@ -54,9 +54,11 @@ class FlatGroup:
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for p, off, n in zip(self.params, flat.offsets, flat.numels, strict=True):
+            for p, off, n, shape in zip(self.params, flat.offsets, flat.numels, self.shapes,
+                                        strict=True):
                 full[off:off + n].copy_(adopt(p).reshape(-1))
-                p.ds_shape, p.ds_numel = p.shape, n
+                # the full shape (p is empty when built by zero.Init or an earlier engine)
+                p.ds_shape, p.ds_numel = torch.Size(shape), n
         # partitioned groups gather into this one tensor, whose storage is freed on
         # release and allocated again on gather: views autograd saved during forward
         # (e.g. a weight's transpose) then see the re-gathered values in backward instead

@@ -159,7 +159,7 @@ def full_value(p: torch.nn.Parameter) -> torch.Tensor:
     """``p``'s whole value: itself, or gathered from its ``zero.Init`` slices."""
     shard = getattr(p, "ds_shard", None)
     if shard is None:
-        return p.detach()
+        return _from_earlier_engine(p)
     pg = p.ds_pg
     shard = shard.to(p.device)
     world = dist.get_world_size(pg)
@@ -169,6 +169,19 @@ def full_value(p: torch.nn.Parameter) -> torch.Tensor:
     else:
         full.copy_(shard)
     return full[:p.ds_numel].view(p.ds_shape).to(device=p.device, dtype=p.dtype)
+
+
+def _from_earlier_engine(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p`` itself, or, when a stage 3 engine partitioned it before (``destroy()`` leaves
+    it so, as DeepSpeed's does), its whole value gathered from that engine's group."""
+    group = getattr(p, "ds_group", None)
+    if group is None or not group.partitioned or group.gathered or p.numel():
+        return p.detach()
+    group.gather()
+    try:
+        return p.detach().clone()
+    finally:
+        group.release()
 
 
 def materialize(module: torch.nn.Module) -> None:

@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="store_true", help="train a peft LoRA adapter")
     p.add_argument("--save_first", action="store_true", help="save_model() before train()")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
+    p.add_argument("--twice", action="store_true", help="train() again on the same Trainer")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--save_model", action="store_true")
@@ -149,6 +150,8 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         trainer.save_model(str(out / "saved_first"))
     first = trainer.evaluate()["eval_loss"] if args.eval_first else None
     trainer.train(resume_from_checkpoint=args.resume)
+    if args.twice:
+        trainer.train()
     result = {"losses": [x["loss"] for x in history if "loss" in x],
               "grad_norms": [x.get("grad_norm") for x in history if "loss" in x],
               "lrs": [x["learning_rate"] for x in history if "loss" in x],
