@@ -6,7 +6,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint bench bench-fanout bench-train bench-zero \
-	bench-parallel clean
+	bench-parallel bench-hf clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -56,6 +56,9 @@ bench-zero: install
 
 bench-parallel: install
 	$(PY) benchmarks/parallel.py
+
+bench-hf: install-test
+	$(PY) benchmarks/hf.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
