@@ -220,13 +220,23 @@ def why(o: Outcome) -> str:
     return o.why_not.replace("|", "\\|")
 
 
+def comm_cell(o: Outcome) -> str:
+    """Rank 0's all-gather output and reduce-scatter + all-reduce bytes per timed step."""
+    comm = o.ranks[0].get("comm_per_step") if o.ranks else None
+    if not comm:
+        return "-"
+    reduced = comm["reduce_scatter_tensor"] + comm["all_reduce"]
+    return f"{comm['all_gather_into_tensor'] / 2**20:.0f}, {reduced / 2**20:.0f}"
+
+
 def train_tables(outcomes: dict[str, Outcome], stages: list[int],
                  drivers: list[str]) -> list[str]:
     steps = ["**Step time** (rank 0's median s/optimizer step; target: deepshard/DeepSpeed "
              "<= 1)", "",
              "| stage | driver | deepshard s/step | DeepSpeed s/step | ratio | target <= 1 "
-             "| deepshard min-max | DeepSpeed min-max | final loss deepshard / DeepSpeed |",
-             "|---|---|---:|---:|---:|---|---|---|---|"]
+             "| deepshard min-max | DeepSpeed min-max | final loss deepshard / DeepSpeed "
+             "| MiB/step gathered, reduced deepshard / DeepSpeed |",
+             "|---|---|---:|---:|---:|---|---|---|---|---|"]
     peaks = ["**Training peak RSS** per rank (MiB, ru_maxrss of the whole run: model load, "
              "engine, steps; target: deepshard/DeepSpeed < 1 on every rank)", "",
              "| stage | driver | deepshard rank0 / rank1 | DeepSpeed rank0 / rank1 "
@@ -258,7 +268,7 @@ def train_tables(outcomes: dict[str, Outcome], stages: list[int],
             steps.append(f"| {stage} | {driver} | {medians[0]} | {medians[1]} | "
                          + (f"{ratio:.2f}" if ratio is not None else "-")
                          + f" | {verdict(ratio, 1.0)} | {spreads[0]} | {spreads[1]} | "
-                         f"{losses} |")
+                         f"{losses} | {comm_cell(ours)} / {comm_cell(theirs)} |")
             rss = [" / ".join(mib(r["peak_rss_kib"]) for r in o.ranks) if o.ranks else why(o)
                    for o in (ours, theirs)]
             worst = (max(a["peak_rss_kib"] / b["peak_rss_kib"]
@@ -322,15 +332,16 @@ def lora_table(ours: Outcome | None, theirs: Outcome | None) -> list[str]:
              f"here <= {target:.2f})", "",
              "| library | base MiB | per-rank param MiB (source) | fraction of base "
              f"| target <= {target:.2f} | after load + peft MiB/rank | LoRA trainable MiB "
-             "| peak RSS rank0 / rank1 MiB | s/step | vs DeepSpeed |",
-             "|---|---:|---|---:|---|---:|---:|---:|---:|---|"]
+             "| peak RSS rank0 / rank1 MiB | s/step | MiB/step gathered, reduced "
+             "| vs DeepSpeed |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|"]
     theirs_bytes = theirs_step = None
     rows: list = []
     for o in (ours, theirs):
         if o is None:
             continue
         if not o.ranks:
-            rows.append(f"| {o.row.lib} | - | {why(o)} | - | - | - | - | - | - | - |")
+            rows.append(f"| {o.row.lib} | - | {why(o)} | - | - | - | - | - | - | - | - |")
             continue
         r = o.ranks[0]
         if "state_bytes" in r:
@@ -346,7 +357,7 @@ def lora_table(ours: Outcome | None, theirs: Outcome | None) -> list[str]:
                      f"{held / 2**20:.1f} ({source}) | {frac:.3f} | {verdict(frac, target)} | "
                      f"{r['after_peft']['held'] / 2**20:.1f} | "
                      f"{r['trainable_bytes'] / 2**20:.2f} | {rss} | "
-                     f"{statistics.median(r['step_s']):.3f} |"))
+                     f"{statistics.median(r['step_s']):.3f} | {comm_cell(o)} |"))
     for row in rows:
         if isinstance(row, str):
             lines.append(row)

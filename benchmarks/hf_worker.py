@@ -129,6 +129,35 @@ def local_param_bytes(module) -> dict[str, int]:
     return {"held": held, "full": full}
 
 
+class CommCounter:
+    """Bytes through torch.distributed's collectives (both libraries call them through the
+    module's attributes on CPU): all-gather output, reduce-scatter input, all-reduce; from
+    :meth:`reset` on. Counting only: every call goes through unchanged."""
+
+    NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.bytes = dict.fromkeys(self.NAMES, 0)
+        for name in self.NAMES:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name, call):
+        def counted(*args, **kwargs):
+            tensor = args[0] if args else next(iter(kwargs.values()), None)
+            if hasattr(tensor, "numel"):
+                self.bytes[name] += tensor.numel() * tensor.element_size()
+            return call(*args, **kwargs)
+        return counted
+
+    def reset(self) -> None:
+        self.bytes = dict.fromkeys(self.NAMES, 0)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {name: count / max(1, steps) for name, count in self.bytes.items()}
+
+
 def batches(n: int, micro_batch: int, vocab: int):
     """``n`` seeded random token batches (the same on every rank and library)."""
     import torch
@@ -172,6 +201,7 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
 
+    comm = CommCounter()
     if a.lib == "deepspeed":
         from transformers import Trainer, TrainingArguments
     else:
@@ -199,6 +229,8 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
             self.start = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if len(self.times) == a.warmup:
+                comm.reset()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -234,6 +266,7 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
     engine = getattr(trainer, "model_wrapped", None)
     notes.append(f"engine {type(engine).__module__}.{type(engine).__name__}")
     return {"step_s": clock.times[a.warmup:], "losses": clock.losses, **load,
+            "comm_per_step": comm.per_step(a.steps),
             "optimizer": _optimizer_name(getattr(trainer, "optimizer", None))}
 
 
@@ -241,13 +274,14 @@ def _train_initialize(a: argparse.Namespace, lib, notes: list[str]) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    comm = CommCounter()
     lib.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     keep = None
     if a.stage == 3:
         try:
             keep = hf_config_class(a.lib)(plain_config(a, 3))
-        except Exception as error:
+        except Exception as error:  # a missing piece is a note, not a crash
             notes.append(f"loaded whole: {type(error).__name__}: {error}"[:200])
     before = peak_rss_kib()
     model = AutoModelForCausalLM.from_pretrained(a.model)
@@ -262,6 +296,8 @@ def _train_initialize(a: argparse.Namespace, lib, notes: list[str]) -> dict:
     times, losses = [], []
     for step in range(a.warmup + a.steps):
         x = data[step * world + rank]
+        if step == a.warmup:
+            comm.reset()
         dist.barrier()
         start = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
@@ -271,6 +307,7 @@ def _train_initialize(a: argparse.Namespace, lib, notes: list[str]) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
     result = {"step_s": times[a.warmup:], "losses": losses, **load,
+              "comm_per_step": comm.per_step(a.steps),
               "optimizer": _optimizer_name(optimizer)}
     if hasattr(engine, "state_bytes"):
         result["state_bytes"] = engine.state_bytes()
@@ -312,6 +349,7 @@ def lora(a: argparse.Namespace) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    comm = CommCounter()
     torch.set_num_threads(1)
     lib = library(a.lib)
     lib.init_distributed()
@@ -319,7 +357,7 @@ def lora(a: argparse.Namespace) -> None:
     notes: list[str] = []
     try:
         keep = hf_config_class(a.lib)(plain_config(a, 3))
-    except Exception as error:
+    except Exception as error:  # a missing piece is a note, not a crash
         keep = None
         notes.append(f"base loaded whole: {type(error).__name__}: {error}"[:200])
     base = AutoModelForCausalLM.from_pretrained(a.model)
@@ -338,6 +376,8 @@ def lora(a: argparse.Namespace) -> None:
     times, losses = [], []
     for step in range(a.warmup + a.steps):
         x = data[step * world + rank]
+        if step == a.warmup:
+            comm.reset()
         dist.barrier()
         start = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
@@ -347,6 +387,7 @@ def lora(a: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
     result = {"base_bytes": base_bytes, "trainable_bytes": trainable_bytes,
+              "comm_per_step": comm.per_step(a.steps),
               "after_peft": after_peft, "after_steps": local_param_bytes(engine.module),
               "step_s": times[a.warmup:], "losses": losses, "peak_rss_kib": peak_rss_kib(),
               "notes": notes, "version": getattr(lib, "__version__", "?")}
