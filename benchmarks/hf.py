@@ -16,6 +16,11 @@ worker reports its own figures (``ru_maxrss`` for peaks). Measurements:
    (the same arguments). The model is built after the arguments (at ZeRO-3 it loads
    partitioned through them). Step time: rank 0's median of the optimizer steps after
    ``--warmup``, from a ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``).
+   The table also gives rank 0's collective traffic per timed step (all-gather output
+   bytes; reduce-scatter plus all-reduce bytes), counted around torch.distributed's calls:
+   at ZeRO-3 DeepSpeed's defaults (``stage3_max_reuse_distance``/``max_live_parameters``
+   1e9) keep a model this small gathered from forward into backward, one gather per step,
+   where deepshard gathers each unit again in backward (twice the bytes).
    ``--driver initialize`` (or ``both``) adds rows driven by ``initialize`` on the same
    HF model (a filled config, a barrier before and after each step); ``auto`` (default)
    adds them only when deepshard's Trainer cannot be imported.
@@ -34,6 +39,7 @@ Targets (printed with each table): step time no slower than DeepSpeed (ratio <= 
 training peak RSS below DeepSpeed's (< 1), loading peak <= 0.6x DeepSpeed's, LoRA per-rank
 parameter bytes ~ 1/N of the base (here <= 1.1/N).
 
+    make bench-hf                                   # = python benchmarks/hf.py
     python benchmarks/hf.py [--quick] [--parts train,load,lora] [--stages 2,3]
                             [--driver auto|trainer|initialize|both] [--steps 3] [--warmup 1]
                             [--rounds 1] [--micro-batch 1] [--output FILE] [--json FILE]

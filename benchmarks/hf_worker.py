@@ -144,8 +144,11 @@ class CommCounter:
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
 
     def _wrap(self, name, call):
+        which, key = (1, "input") if name == "reduce_scatter_tensor" else (0, "tensor")
+
         def counted(*args, **kwargs):
-            tensor = args[0] if args else next(iter(kwargs.values()), None)
+            tensor = args[which] if len(args) > which else kwargs.get(
+                key, kwargs.get("output_tensor"))
             if hasattr(tensor, "numel"):
                 self.bytes[name] += tensor.numel() * tensor.element_size()
             return call(*args, **kwargs)
