@@ -238,11 +238,13 @@ def comm_cell(o: Outcome) -> str:
 def train_tables(outcomes: dict[str, Outcome], stages: list[int],
                  drivers: list[str]) -> list[str]:
     steps = ["**Step time** (rank 0's median s/optimizer step; target: deepshard/DeepSpeed "
-             "<= 1)", "",
+             "<= 1; the fastest steps' ratio is less sensitive to other load on the machine)",
+             "",
              "| stage | driver | deepshard s/step | DeepSpeed s/step | ratio | target <= 1 "
+             "| ratio of the fastest steps "
              "| deepshard min-max | DeepSpeed min-max | final loss deepshard / DeepSpeed "
              "| MiB/step gathered, reduced deepshard / DeepSpeed |",
-             "|---|---|---:|---:|---:|---|---|---|---|---|"]
+             "|---|---|---:|---:|---:|---|---:|---|---|---|---|"]
     peaks = ["**Training peak RSS** per rank (MiB, ru_maxrss of the whole run: model load, "
              "engine, steps; target: deepshard/DeepSpeed < 1 on every rank)", "",
              "| stage | driver | deepshard rank0 / rank1 | DeepSpeed rank0 / rank1 "
@@ -269,11 +271,14 @@ def train_tables(outcomes: dict[str, Outcome], stages: list[int],
             losses = " / ".join(f"{c[2]:.4f}" if c and c[2] is not None else "-"
                                 for c in cells)
             medians = [f"{c[0]:.3f}" if c else "-" for c in cells]
+            fastest = (f"{min(ours.ranks[0]['step_s']) / min(theirs.ranks[0]['step_s']):.2f}"
+                       if ratio is not None else "-")
             spreads = [c[1] if c else why(o) for c, o in zip(cells, (ours, theirs),
                                                              strict=True)]
             steps.append(f"| {stage} | {driver} | {medians[0]} | {medians[1]} | "
                          + (f"{ratio:.2f}" if ratio is not None else "-")
-                         + f" | {verdict(ratio, 1.0)} | {spreads[0]} | {spreads[1]} | "
+                         + f" | {verdict(ratio, 1.0)} | {fastest} | {spreads[0]} | "
+                         f"{spreads[1]} | "
                          f"{losses} | {comm_cell(ours)} / {comm_cell(theirs)} |")
             rss = [" / ".join(mib(r["peak_rss_kib"]) for r in o.ranks) if o.ranks else why(o)
                    for o in (ours, theirs)]
