@@ -174,7 +174,7 @@ def _config_source(args, config):
 
 # keys the config accepts (DeepSpeed's) that change nothing here: reported when set
 NO_EFFECT = {
-    "zero_optimization": ("stage3_max_reuse_distance", "sub_group_size",
+    "zero_optimization": ("sub_group_size",
                           "allgather_bucket_size", "round_robin_gradients"),
     "": ("prescale_gradients", "gradient_predivide_factor"),
 }

@@ -13,7 +13,7 @@ import deepshard
 from tests.helpers import ROOT, run_ds
 
 SCRIPT = str(ROOT / "tests" / "integrations" / "scripts" / "peft_zero3.py")
-VARIANTS = ("0", "3", "3:recompute", "3:two-forwards", "3:retain")
+VARIANTS = ("0", "3", "3:recompute", "3:two-forwards", "3:retain", "3:keep")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def runs(tmp_path_factory) -> tuple[dict, object]:
     return found, out
 
 
-@pytest.mark.parametrize("mode", ["plain", "recompute", "two-forwards", "retain"])
+@pytest.mark.parametrize("mode", ["plain", "recompute", "two-forwards", "retain", "keep"])
 def test_lora_at_stage_3_equals_stage_0(runs, mode):
     found, _ = runs
     for rank in range(2):
@@ -51,6 +51,8 @@ def test_frozen_base_is_partitioned_and_gathered_only_while_used(runs):
             assert facts["frozen_bytes_held"] <= facts["frozen_bytes_full"] / 2 + 64
         # root + 2 layers; backward holds the root and one layer at a time
         assert got["frozen_groups"] == 3 and got["max_frozen_live"] == 2
+        # kept from forward to backward within stage3_max_reuse_distance
+        assert found[(rank, 3, "keep")]["max_frozen_live"] == 3
         whole = found[(rank, 0, "plain")]["state_bytes"]["params"]
         assert got["state_bytes"]["params"] <= whole / 2 + 64
 

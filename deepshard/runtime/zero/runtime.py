@@ -215,7 +215,8 @@ def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
                  for u, name in enumerate(units_plan.modules)]
         coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
                                        z.stage3_prefetch_bucket_size,
-                                       z.stage3_max_live_parameters)
+                                       z.stage3_max_live_parameters,
+                                       z.stage3_max_reuse_distance)
     if stage == 1:
         grads = Stage1Grads(params, groups, pg, world, comm_dtype, names)
     else:

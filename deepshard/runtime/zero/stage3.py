@@ -13,6 +13,10 @@ Lifecycle of a unit's partitioned parameters:
   ``stage3_prefetch_bucket_size`` elements ahead, within ``stage3_max_live_parameters``;
 - forward post-hook: release (drop the full buffer), and hook the outputs' autograd nodes
   so that the unit is gathered again when backward reaches it (prefetching earlier units);
+  from the second step on, a unit whose backward comes within
+  ``stage3_max_reuse_distance`` elements stays gathered instead (DeepSpeed's default,
+  1e9, keeps a model of up to ~500M parameters gathered from its forward to its backward,
+  within ``stage3_max_live_parameters``);
 - when backward has produced all of a unit's gradients (stage 2's callback): release.
 
 Frozen parameters (LoRA's base) are partitioned too, in groups of their own that have no
@@ -156,10 +160,12 @@ class ParamCoordinator:
     docstring). ``group_unit[k]`` is the unit of flat group ``k`` (``None``: replicated)."""
 
     def __init__(self, units: Sequence[Unit], group_unit: Sequence[int | None],
-                 prefetch_elements: int, max_live_elements: int):
+                 prefetch_elements: int, max_live_elements: int, max_reuse_distance: int = 0):
         self.units = list(units)
         self.group_unit = list(group_unit)
         self.prefetch_elements, self.max_live = prefetch_elements, max_live_elements
+        self.max_reuse = max_reuse_distance
+        self._after: list[int] = []  # per trace position: elements of the units after it
         self.trace: list[int] = []
         self._recording = True
         self._cursor = 0
@@ -242,7 +248,28 @@ class ParamCoordinator:
                 for t in needs:
                     t.register_hook(lambda grad, u=unit, c=call: self._input_grad(u, c))
                 unit.pending_grads = len(unit.groups)
+                if self._reused_soon(unit):
+                    return
         unit.release()
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        """Whether a unit whose forward (with grad) just ended stays gathered for its
+        backward, as DeepSpeed's ``stage3_max_reuse_distance`` keeps it: the elements used
+        in between (the later units' forward and backward) are at most that distance, and
+        what is gathered stays within ``stage3_max_live_parameters``. Needs the recorded
+        order (from the second step on); the root's backward comes right after its
+        forward."""
+        if self._recording or not self.max_reuse:
+            return False
+        if unit.index == 0:
+            between = 0
+        else:
+            pos = self._cursor - 1
+            if not (0 <= pos < len(self.trace)) or self.trace[pos] != unit.index:
+                return False
+            between = 2 * self._after[pos]
+        live = sum(u.numel for u in self.units if u.gathered)
+        return between <= self.max_reuse and live <= self.max_live
 
     # backward --------------------------------------------------------------------------
     def _on_output_grad(self, unit: Unit, call: int, inputs: int, grad) -> None:
@@ -286,8 +313,13 @@ class ParamCoordinator:
         """After a backward: nothing stays gathered; the first pass fixes the order."""
         for unit in self.units:
             unit.reset()
-        if self.trace:
+        if self.trace and self._recording:
             self._recording = False
+            after, total = [], 0
+            for index in reversed(self.trace):
+                after.append(total)
+                total += self.units[index].numel
+            self._after = after[::-1]
         self._cursor = len(self.trace)
 
     def begin_forward(self) -> None:

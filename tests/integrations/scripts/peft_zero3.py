@@ -5,7 +5,9 @@ argv: ``<out_dir> <variant> [<variant> ...]``, a variant being ``<stage>[:<mode>
 the mode one of ``plain`` (default), ``recompute`` (HF gradient checkpointing,
 ``use_reentrant=False``), ``two-forwards`` (the halves of the micro-batch run forward
 before one backward of their mean), ``retain`` (gradient accumulation 2: the second
-micro-step runs backward again through the first one's graph, kept with ``retain_graph``).
+micro-step runs backward again through the first one's graph, kept with ``retain_graph``),
+``keep`` (``stage3_max_reuse_distance`` at DeepSpeed's default: units stay gathered from
+forward to backward; the other modes set it to 0, releasing after each forward).
 Every variant trains the same adapters on the same data, so all give the same losses;
 each saves ``save_checkpoint(<out_dir>/<variant>, exclude_frozen_parameters=True)``.
 """
@@ -78,7 +80,11 @@ def run(stage: int, mode: str, out: Path) -> dict:
               "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                    "stage3_prefetch_bucket_size": 0}}
+                                    "stage3_prefetch_bucket_size": 0,
+                                    # keep: DeepSpeed's default, the units stay gathered
+                                    # from forward to backward (from the second step on)
+                                    "stage3_max_reuse_distance":
+                                        1_000_000_000 if mode == "keep" else 0}}
     engine, *_ = deepshard.initialize(model=model, model_parameters=[
         p for p in model.parameters() if p.requires_grad], config=config)
     facts = frozen_facts(engine.module)
