@@ -18,9 +18,9 @@ worker reports its own figures (``ru_maxrss`` for peaks). Measurements:
    ``--warmup``, from a ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``).
    The table also gives rank 0's collective traffic per timed step (all-gather output
    bytes; reduce-scatter plus all-reduce bytes), counted around torch.distributed's calls:
-   at ZeRO-3 DeepSpeed's defaults (``stage3_max_reuse_distance``/``max_live_parameters``
-   1e9) keep a model this small gathered from forward into backward, one gather per step,
-   where deepshard gathers each unit again in backward (twice the bytes).
+   at ZeRO-3 both keep a model this small gathered from forward into backward under the
+   default ``stage3_max_reuse_distance``/``max_live_parameters`` (1e9), one gather of the
+   model per step (with the distance at 0, every unit is gathered again in backward).
    ``--driver initialize`` (or ``both``) adds rows driven by ``initialize`` on the same
    HF model (a filled config, a barrier before and after each step); ``auto`` (default)
    adds them only when deepshard's Trainer cannot be imported.
