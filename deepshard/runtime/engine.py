@@ -390,8 +390,13 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         return self.training_dataloader
 
     def empty_partition_cache(self) -> None:
-        """DeepSpeed's: free ZeRO-3 parameters left gathered. Nothing is: deepshard
-        releases each unit after its use and every unit at the end of backward."""
+        """DeepSpeed's: free ZeRO-3 parameters left gathered: units kept from a forward
+        for its backward (``stage3_max_reuse_distance``) when no backward came; every
+        unit is released at the end of backward anyway."""
+        coordinator = getattr(self.strategy, "coordinator", None)
+        if coordinator is not None:
+            for unit in coordinator.units:
+                unit.release()
 
     def destroy(self) -> None:
         """DeepSpeed's teardown: unregister the engine's gradient and parameter hooks and

@@ -52,7 +52,11 @@ def test_frozen_base_is_partitioned_and_gathered_only_while_used(runs):
         # root + 2 layers; backward holds the root and one layer at a time
         assert got["frozen_groups"] == 3 and got["max_frozen_live"] == 2
         # kept from forward to backward within stage3_max_reuse_distance
-        assert found[(rank, 3, "keep")]["max_frozen_live"] == 3
+        keep = found[(rank, 3, "keep")]
+        assert keep["max_frozen_live"] == 3
+        # a forward with grad and no backward: empty_partition_cache releases what it kept
+        assert keep["gathered_without_backward"] == 3 and keep["gathered_after_emptying"] == 0
+        assert got["gathered_without_backward"] == 0
         whole = found[(rank, 0, "plain")]["state_bytes"]["params"]
         assert got["state_bytes"]["params"] <= whole / 2 + 64
 

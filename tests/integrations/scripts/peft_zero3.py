@@ -109,6 +109,11 @@ def run(stage: int, mode: str, out: Path) -> dict:
         engine.step()
         losses.append(float(loss.detach()))
     between = frozen_facts(engine.module)
+    groups = live["groups"]
+    engine(**mine)  # with grad and no backward: kept units stay gathered until emptied
+    left = sum(g.full is not None for g in groups)
+    engine.empty_partition_cache()
+    emptied = sum(g.full is not None for g in groups)
     if mode == "recompute":  # generation runs without its cache under checkpointing
         engine.module.gradient_checkpointing_disable()
     prompt = batch(n=2, seq=6, seed=99)["input_ids"]
@@ -119,6 +124,7 @@ def run(stage: int, mode: str, out: Path) -> dict:
     result = {"rank": rank, "stage": stage, "mode": mode, "losses": losses,
               "after_init": facts, "after_steps": between, "generated": generated.tolist(),
               "frozen_groups": len(live["groups"]), "max_frozen_live": live["max"],
+              "gathered_without_backward": left, "gathered_after_emptying": emptied,
               "state_bytes": engine.state_bytes()}
     engine.destroy()
     return result
