@@ -75,6 +75,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from record import RESULTS, Run  # noqa: E402
 from train import (  # noqa: E402
     DEFAULT_DS_PYTHON,
     DS_CONFIG,
@@ -301,6 +302,29 @@ def table(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
+def rows(outcomes: list[Outcome]) -> list[dict]:
+    """The table's numbers per peer, unformatted, for ``benchmarks/results/zero.json``."""
+    ran = {o.peer.name: o for o in outcomes if o.ranks}
+    ddp = ran["ddp"].median_s if "ddp" in ran else None
+    out = []
+    for o in outcomes:
+        p = o.peer
+        row = {"peer": p.name, "runtime": p.runtime, "stage": p.stage, "offload": p.offload,
+               "fused": p.fused, "torch_backward": p.torch_backward, "note": p.note,
+               "twin": p.twin, "status": o.why_not or "ok"}
+        if o.ranks:
+            first, twin = o.ranks[0], ran.get(p.twin or "")
+            row.update(median_s=o.median_s, min_s=min(first["step_s"]),
+                       max_s=max(first["step_s"]), step_s=first["step_s"],
+                       vs_ddp=o.median_s / ddp if ddp else None,
+                       vs_deepspeed=o.median_s / twin.median_s if twin else None,
+                       peak_rss_mib=[r["peak_rss_kib"] / 1024 for r in o.ranks],
+                       final_loss=first["losses"][-1], optimizer=first["optimizer"],
+                       params=first["params"])
+        out.append(row)
+    return out
+
+
 def loss_check(outcomes: list[Outcome]) -> str:
     """One line: do all peers that ran end with the same loss (rank 0, last step)?"""
     finals = {o.peer.name: o.ranks[0]["losses"][-1] for o in outcomes
@@ -325,6 +349,9 @@ def run_training(args: argparse.Namespace, names: list[str]) -> None:
         return ds_missing if peer.foreign \
             else ds_missing_library if peer.runtime == "deepshard" else ""
 
+    run = Run("zero", {"peers": names, "steps": args.steps, "warmup": args.warmup,
+                       "rounds": args.rounds, "world": WORLD, "threads_per_rank": 1,
+                       "micro_batch": MICRO_BATCH, "seq_len": 128, "deepspeed": ds_label})
     outcomes = run_rounds([PEERS[name] for name in names], args, run_peer, missing)
 
     import torch
@@ -337,9 +364,11 @@ def run_training(args: argparse.Namespace, names: list[str]) -> None:
           f"Python {platform.python_version()}, torch {torch.__version__}"
           + (f"; DeepSpeed peers: {ds_label} ({args.deepspeed_python})" if ds_label else ""))
     print()
-    print("\n".join(table(outcomes)))
+    lines = table(outcomes)
+    print("\n".join(lines))
     print()
     print(loss_check(outcomes))
+    run.write(rows(outcomes), lines, args.results)
     if args.json:
         args.json.write_text(json.dumps([{"peer": o.peer.name, "ranks": o.ranks,
                                           "skipped": o.why_not} for o in outcomes], indent=1))
@@ -469,6 +498,9 @@ def main() -> None:
                         help="interpreter that can import deepspeed")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per peer")
     parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder for the run's record, zero.json or zero-adam.json "
+                             "(default benchmarks/results)")
     parser.add_argument("--adam", action="store_true",
                         help="measure the CPU Adam step alone instead of training")
     parser.add_argument("--adam-numel", default="27369472,273694720",
