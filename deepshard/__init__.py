@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it; resolved on first attribute access (PEP 562)
 _LAZY = {
     "heartbeat": "deepshard.liveness",
+    "report": "deepshard.liveness",
     "init_distributed": "deepshard.runtime.distributed",
     "DistEnv": "deepshard.runtime.distributed",
     "initialize": "deepshard.runtime.api",

@@ -231,13 +231,15 @@ class WorkerStats:
     """Resident memory of its process tree in bytes (psutil); ``None`` when unread."""
     cpu: float | None = None
     """CPU use of its process in percent (psutil); ``None`` when unread."""
+    loss: float | None = None
+    """The last loss it reported (the engine's step, :func:`deepshard.report`); ``None``
+    before one."""
 
     def to_wire(self) -> dict[str, object]:
         wire: dict[str, object] = {"step": self.step, "beat_age": self.beat_age}
-        if self.rss is not None:
-            wire["rss"] = self.rss
-        if self.cpu is not None:
-            wire["cpu"] = self.cpu
+        for key in ("rss", "cpu", "loss"):
+            if getattr(self, key) is not None:
+                wire[key] = getattr(self, key)
         return wire
 
     @classmethod
@@ -245,7 +247,8 @@ class WorkerStats:
         return cls(step=_as_int(_take(fields, "step", -1), "step"),
                    beat_age=_as_opt_float(_take(fields, "beat_age", None), "beat_age"),
                    rss=_as_opt_int(_take(fields, "rss", None), "rss"),
-                   cpu=_as_opt_float(_take(fields, "cpu", None), "cpu"))
+                   cpu=_as_opt_float(_take(fields, "cpu", None), "cpu"),
+                   loss=_as_opt_float(_take(fields, "loss", None), "loss"))
 
 
 @dataclass(frozen=True, kw_only=True)

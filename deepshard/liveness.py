@@ -1,11 +1,14 @@
-"""Liveness: ``deepshard.heartbeat(step)``, a worker's mark that its agent reads.
+"""Liveness: ``deepshard.heartbeat(step)`` and ``deepshard.report(step=, loss=)``, a
+worker's mark that its agent reads.
 
 The agent gives each worker a small file (``DEEPSHARD_HEARTBEAT_FILE``, in ``/dev/shm``
 where it exists); the worker maps it into memory once, and every heartbeat is a single
-16-byte store of (``CLOCK_MONOTONIC`` in ns, step): no system call, no lock, no network,
-well under a microsecond. The agent reads the file once a second and treats a worker
-whose heartbeats stop for ``--hang_timeout`` seconds as hung. A worker that never calls
-``heartbeat`` is never considered hung; outside ds-run the call does nothing.
+40-byte store of (``CLOCK_MONOTONIC`` in ns, step, pid, last loss): no system call, no
+lock, no network, well under a microsecond. The agent reads the file once a second, shows
+step, step rate and loss in ds-run's live view, and treats a worker whose heartbeats stop
+for ``--hang_timeout`` seconds as hung. A worker that never calls ``heartbeat`` is never
+considered hung; outside ds-run the call does nothing. The engine beats at every
+micro-batch and reports its loss at every optimizer step.
 
 Torch-free: ``import deepshard`` must stay cheap.
 """
@@ -24,10 +27,11 @@ import time
 
 from . import contract
 
-RECORD = struct.Struct("<qqq")
-"""(monotonic ns of the last beat, step or -1, pid of the beating process); 0 ns = never
-beaten. The pid is where the agent sends :data:`STACK_DUMP_SIGNAL`: the worker's own
-process may be a wrapper (a shell, a launcher) that never registered the handler."""
+RECORD = struct.Struct("<qqqqd")
+"""(monotonic ns of the last beat, step or -1, pid of the beating process, 1 when a loss
+was reported else 0, that loss); 0 ns = never beaten. The pid is where the agent sends
+:data:`STACK_DUMP_SIGNAL`: the worker's own process may be a wrapper (a shell, a
+launcher) that never registered the handler."""
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 """The agent sends this to a hung worker, whose faulthandler then prints every thread's
 Python stack to stderr (its log)."""
@@ -57,9 +61,14 @@ class _Beater:
         finally:
             os.close(fd)
         self._pid = os.getpid()
+        self._loss: float | None = None
 
-    def beat(self, step: int) -> None:
-        RECORD.pack_into(self._map, 0, time.monotonic_ns(), step, self._pid)
+    def beat(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            self._loss = loss
+        last = self._loss
+        RECORD.pack_into(self._map, 0, time.monotonic_ns(), step, self._pid,
+                         0 if last is None else 1, 0.0 if last is None else last)
 
 
 @functools.cache
@@ -72,13 +81,21 @@ def _beater(path: str) -> _Beater | None:
     return beater
 
 
-def heartbeat(step: int | None = None) -> None:
-    """Mark this worker alive (the engine calls it every optimizer step)."""
+def heartbeat(step: int | None = None, loss: float | None = None) -> None:
+    """Mark this worker alive at ``step`` (the engine calls it every micro-batch); a
+    ``loss`` is shown in ds-run's live view until another is reported (``None`` keeps the
+    last one)."""
     path = os.environ.get(contract.HEARTBEAT_FILE)
     if path:
         beater = _beater(path)
         if beater is not None:
-            beater.beat(-1 if step is None else step)
+            beater.beat(-1 if step is None else step, None if loss is None else float(loss))
+
+
+def report(step: int, loss: float | None = None) -> None:
+    """A training loop's own progress for ds-run's live view (step, step rate, loss): what
+    the engine reports by itself, for scripts that train without it. Also a heartbeat."""
+    heartbeat(step, loss)
 
 
 def _after_fork() -> None:
@@ -88,11 +105,15 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def read_heartbeat(path: str) -> tuple[int, int, int]:
-    """(monotonic ns of the last beat or 0, step or -1, pid or 0): the agent's side."""
+def read_heartbeat(path: str) -> tuple[int, int, int, float | None]:
+    """(monotonic ns of the last beat or 0, step or -1, pid or 0, last loss or None): the
+    agent's side."""
     fd = os.open(path, os.O_RDONLY)
     try:
         data = os.pread(fd, RECORD.size, 0)
     finally:
         os.close(fd)
-    return RECORD.unpack(data) if len(data) == RECORD.size else (0, -1, 0)
+    if len(data) != RECORD.size:
+        return 0, -1, 0, None
+    beat_ns, step, pid, has_loss, loss = RECORD.unpack(data)
+    return beat_ns, step, pid, loss if has_loss else None

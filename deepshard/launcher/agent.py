@@ -264,13 +264,13 @@ class Agent:
             if w.returncode is not None:
                 continue
             try:
-                beat_ns, step, beat_pid = read_heartbeat(w.beat_file)
+                beat_ns, step, beat_pid, loss = read_heartbeat(w.beat_file)
             except OSError:
-                beat_ns, step, beat_pid = 0, -1, 0
+                beat_ns, step, beat_pid, loss = 0, -1, 0, None
             age = (now_ns - beat_ns) / 1e9 if beat_ns else None
             rss, cpu = self._probe.worker(w)
             workers[w.plan.rank] = contract.WorkerStats(step=step, beat_age=age, rss=rss,
-                                                        cpu=cpu)
+                                                        cpu=cpu, loss=loss)
             hang = self.node.hang_timeout
             if hang and age is not None and age > hang:
                 hung.append((-age, step, w, beat_pid))

@@ -1,11 +1,14 @@
-"""The live view: one row per rank (host, state, step, heartbeat age, RSS, CPU, GPU memory),
-redrawn in place while worker output scrolls above it. Used when stdout is a terminal;
-elsewhere ds-run prints plain ``[host:rank]`` lines."""
+"""The live view: one row per rank (host, state, step, steps/s, loss, heartbeat age, RSS,
+CPU, GPU memory), redrawn in place while worker output scrolls above it. Used when stdout
+is a terminal; elsewhere ds-run prints plain ``[host:rank]`` lines."""
 
 from __future__ import annotations
 
 import io
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
@@ -26,6 +29,40 @@ def _bytes(n: object) -> str:
     return "-"
 
 
+class StepRate:
+    """Optimizer steps per second of one rank over the last ``window`` seconds, from the
+    (time of its last beat, step) pairs the ``alive`` events carry."""
+
+    def __init__(self, window: float = 30.0):
+        self.window = window
+        self._seen: deque[tuple[float, int]] = deque()
+
+    def add(self, beat_time: float, step: int) -> None:
+        """A beat at ``beat_time`` (monotonic seconds) at ``step``; a step seen before or a
+        step below the last (a restarted worker) starts a new series when lower."""
+        if step < 0:
+            return
+        if self._seen and step < self._seen[-1][1]:
+            self._seen.clear()
+        if not self._seen or step > self._seen[-1][1]:
+            self._seen.append((beat_time, step))
+        while len(self._seen) > 2 and self._seen[0][0] < beat_time - self.window:
+            self._seen.popleft()
+
+    def rate(self) -> float | None:
+        """Steps per second, or ``None`` before two distinct steps."""
+        if len(self._seen) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._seen[0], self._seen[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+
+def _loss(value: object) -> str:
+    if not isinstance(value, float):
+        return "-"
+    return str(value) if not math.isfinite(value) else f"{value:.4g}"
+
+
 class LiveView:
     """A rich ``Live`` table fed by the agents' ``alive`` and ``exited`` events."""
 
@@ -37,6 +74,7 @@ class LiveView:
         self.title = title
         self._lock = threading.Lock()
         self._rows: dict[int, dict[str, object]] = {}
+        self._rates: dict[int, StepRate] = {}
         self._device: dict[int, int] = {}
         for node in plan.nodes:
             slots = dict(node.env).get("CUDA_VISIBLE_DEVICES", "").split(",")
@@ -73,10 +111,16 @@ class LiveView:
                gpus: Sequence[GpuStats]) -> None:
         """An ``alive`` event of ``host``'s agent."""
         by_index = {g.index: g for g in gpus}
+        now = time.monotonic()
         with self._lock:
             for rank, stats in workers.items():
                 row = self._rows.setdefault(rank, {"host": host})
-                row.update(step=stats.step, beat_age=stats.beat_age, state="running")
+                row.update(step=stats.step, beat_age=stats.beat_age, state="running",
+                           loss=stats.loss)
+                if stats.beat_age is not None:
+                    rate = self._rates.setdefault(rank, StepRate())
+                    rate.add(now - stats.beat_age, stats.step)
+                    row["rate"] = rate.rate()
                 if stats.rss is not None or stats.cpu is not None:  # else: the last ones read
                     row.update(rss=stats.rss, cpu=stats.cpu)
                 device = self._device.get(rank)
@@ -95,19 +139,27 @@ class LiveView:
         from rich.table import Table
 
         table = Table(title=self.title or None, expand=False)
-        for column in ("rank", "host", "state", "step", "heartbeat", "RSS", "CPU", "GPU mem"):
-            table.add_column(column, justify="right" if column != "host" else "left")
+        columns = ["rank", "host", "state", "step", "steps/s", "loss", "beat", "RSS", "CPU"]
         with self._lock:
+            # no GPU column until an agent reports GPU memory (CPU slots, no NVML)
+            gpus = any(row.get("gpu_mem") is not None for row in self._rows.values())
+            for column in columns + ["GPU mem"] * gpus:
+                table.add_column(column, justify="right" if column != "host" else "left",
+                                 no_wrap=True, min_width=6 if column == "host" else None,
+                                 overflow="ellipsis")
             for rank in sorted(self._rows):
                 row = self._rows[rank]
                 step = row.get("step")
                 age = row.get("beat_age")
                 cpu = row.get("cpu")
+                rate = row.get("rate")
                 table.add_row(
                     str(rank), str(row.get("host", "?")), str(row.get("state", "?")),
                     "-" if step in (None, -1) else str(step),
-                    "-" if age is None else f"{age:.1f} s ago",
+                    "-" if rate is None else f"{rate:.3g}",
+                    _loss(row.get("loss")),
+                    "-" if age is None else f"{age:.1f}s",
                     _bytes(row.get("rss")),
                     "-" if cpu is None else f"{cpu:.0f}%",
-                    _bytes(row.get("gpu_mem")))
+                    *[_bytes(row.get("gpu_mem"))] * gpus)
         return table

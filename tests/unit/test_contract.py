@@ -37,11 +37,11 @@ WIRE = [
     (contract.Done(host="h", state="stopped", reason="SIGTERM"),
      'e {"kind":"done","host":"h","state":"stopped","reason":"SIGTERM"}'),
     (contract.Alive(host="h", workers={
-        0: contract.WorkerStats(step=7, beat_age=0.25, rss=1024, cpu=99.5),
+        0: contract.WorkerStats(step=7, beat_age=0.25, rss=1024, cpu=99.5, loss=2.5),
         1: contract.WorkerStats(step=-1, beat_age=None)},
         gpus=(contract.GpuStats(index=0, mem_used=1, mem_total=2, util=50),)),
      'e {"kind":"alive","host":"h","workers":{"0":{"step":7,"beat_age":0.25,"rss":1024,'
-     '"cpu":99.5},"1":{"step":-1,"beat_age":null}},"gpus":[{"index":0,"mem_used":1,'
+     '"cpu":99.5,"loss":2.5},"1":{"step":-1,"beat_age":null}},"gpus":[{"index":0,"mem_used":1,'
      '"mem_total":2,"util":50}]}'),
     (contract.Hung(host="h", rank=1, silent=7.5, ranks=(1, 2), dumped=True),
      'e {"kind":"hung","host":"h","rank":1,"silent":7.5,"ranks":[1,2],"dumped":true}'),
@@ -155,7 +155,7 @@ _float = st.floats(allow_nan=False, allow_infinity=False)
 _host = st.text()
 _workers = st.dictionaries(_rank, st.builds(
     contract.WorkerStats, step=_int, beat_age=st.none() | _float, rss=st.none() | _int,
-    cpu=st.none() | _float), max_size=3)
+    cpu=st.none() | _float, loss=st.none() | _float), max_size=3)
 _gpus = st.lists(st.builds(contract.GpuStats, index=_rank, mem_used=_int, mem_total=_int,
                            util=_float), max_size=2).map(tuple)
 _events = st.one_of(
