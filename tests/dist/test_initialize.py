@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import deepshard
@@ -17,12 +16,8 @@ ADAMW = {"type": "AdamW", "params": {"lr": 1e-2}}
 
 
 @pytest.fixture(autouse=True)
-def _one_process_group(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _one_process_group(one_process):
+    """Every test here builds its engine in a one-process group of its own."""
 
 
 def model() -> torch.nn.Module:

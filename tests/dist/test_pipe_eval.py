@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import deepshard
 from deepshard.errors import UsageError, render
@@ -175,17 +174,14 @@ def test_options(job):
 
 
 @pytest.fixture
-def single_stage(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+def single_stage(one_process):
     deepshard.init_distributed(verbose=False)
     model = pipe_gpt(TINY, num_stages=1, seed=0)
     engine, _, _, _ = deepshard.initialize(
         model=model, model_parameters=model.parameters(),
         config={"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
                 "optimizer": ADAMW, "pipeline": {"stages": 1}})
-    yield engine
-    dist.destroy_process_group()
+    return engine  # one_process destroys its group after the test
 
 
 def test_single_stage_matches_the_dense_model(single_stage):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch as safetensors_torch
 import torch
-import torch.distributed as dist
 import transformers
 
 from deepshard.errors import UsageError
@@ -30,15 +29,11 @@ TOL = 1e-5
 
 
 @pytest.fixture
-def one_rank(tmp_path):
+def one_rank(one_rank_group):
     """A one-rank gloo group, and no registration left behind by the test."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     gc.collect()
-    leaked = hf_loading.active_config() is not None
-    dist.destroy_process_group()
-    assert not leaked, "a stage-3 registration outlived its test"
+    assert hf_loading.active_config() is None, "a stage-3 registration outlived its test"
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
@@ -91,15 +90,6 @@ def test_files_equal_transformers_own(tmp_path, kind):
         assert (tmp_path / "ds" / name).read_text() == (tmp_path / "hf" / name).read_text()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ds")
     assert_same_state(loaded.state_dict(), model.state_dict())
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_stage3_engine_in_one_process(tmp_path, one_process, monkeypatch):

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import deepshard
 from deepshard.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -131,15 +130,6 @@ def test_state_dict_round_trip_continues_identically():
 
 
 # -- as initialize's optimizer= ------------------------------------------------------------
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def tiny() -> torch.nn.Module:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch.distributed as dist
 
 import deepshard.utils
 from deepshard.utils import log_dist, log_dist_once, set_log_level_from_string
@@ -25,14 +24,6 @@ def test_without_a_process_group_every_call_logs_as_rank_minus_one(caplog):
         log_dist("there", ranks=[3], level=logging.WARNING)
     assert messages(caplog) == ["[Rank -1] hello", "[Rank -1] there"]
     assert caplog.records[-1].levelno == logging.WARNING
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_with_a_process_group_only_the_named_ranks_log(caplog, one_rank_group):

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import deepshard
@@ -25,15 +24,6 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def train_and_save(save_dir, stage: int, freeze: bool = False, **save) -> nn.Module:
