@@ -6,7 +6,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint bench bench-fanout bench-train bench-zero \
-	bench-parallel bench-hf clean
+	bench-parallel bench-hf plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ $(VENV)/.torch: | $(PY)
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) $(EDITABLE) -e .
+	touch $@
+
+$(VENV)/.installed-plot: pyproject.toml $(VENV)/.installed
+	$(PIP) $(EDITABLE) -e '.[plot]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
@@ -59,6 +63,10 @@ bench-parallel: install
 
 bench-hf: install-test
 	$(PY) benchmarks/hf.py
+
+# the README's PNGs (docs/plots/) from the benchmarks' JSON records (benchmarks/results/)
+plots: $(VENV)/.installed-plot
+	$(PY) benchmarks/plot.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -95,6 +95,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from record import RESULTS, Run  # noqa: E402
 from train import RESULT_TAG, cpu_model, deepshard_missing, error_line, wait_all  # noqa: E402
 
 SEED = 1234
@@ -409,6 +410,54 @@ def bubble_table(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
+def layout_rows(outcomes: list[Outcome]) -> list[dict]:
+    """The layout table's numbers, unformatted, for ``benchmarks/results/parallel.json``."""
+    from deepshard.runtime.parallel.schedule import bubble_fraction
+
+    ran = {o.spec.name: o for o in outcomes if o.ranks}
+    baseline = median_step(ran["dp4"]) if "dp4" in ran else None
+    rows = []
+    for o in outcomes:
+        s = o.spec
+        row = {"kind": "layout", "layout": s.name, "pipe": s.pipe, "data": s.data,
+               "tensor": s.tensor, "micro": s.micro, "m": s.accumulation,
+               "status": o.why_not or "ok",
+               "theory": bubble_fraction(s.pipe, s.accumulation) if s.pipe > 1 else None}
+        if o.ranks:
+            first = o.ranks[0]
+            row.update(median_s=median_step(o), step_s=first["step_s"],
+                       vs_dp4=median_step(o) / baseline if baseline else None,
+                       loss_first=first["losses"][0], loss_last=first["losses"][-1],
+                       bubble_total=stage_bubbles(o) if s.pipe > 1 else None,
+                       parts=first["parts"])
+        rows.append(row)
+    return rows
+
+
+def bubble_rows(outcomes: list[Outcome]) -> list[dict]:
+    """The bubble sweep's numbers per m, unformatted: each stage's forward and backward
+    seconds per micro-batch, its measured bubble over the batch, the span and its own
+    ``pipe_s``, the theory and the simulator's bubble per stage."""
+    from deepshard.runtime.parallel.schedule import bubble_fraction
+
+    rows = []
+    for o in outcomes:
+        s = o.spec
+        row = {"kind": "bubble", "pipe": s.pipe, "m": s.accumulation, "ranks": s.world,
+               "micro": s.micro, "theory": bubble_fraction(s.pipe, s.accumulation),
+               "status": o.why_not or "ok"}
+        if o.ranks:
+            costs = stage_costs(o)
+            row.update(median_s=median_step(o), step_s=o.ranks[0]["step_s"],
+                       stage_cost_s=[list(c) for c in costs] if costs else None,
+                       bubble_total=stage_bubbles(o), bubble_span=stage_bubbles(o, "span"),
+                       bubble_own=stage_bubbles(o, "pipe_s"),
+                       simulated=simulated_bubbles(costs, s.accumulation) if costs else None,
+                       parts=o.ranks[0]["parts"])
+        rows.append(row)
+    return rows
+
+
 def _parts(outcomes: list[Outcome]) -> str:
     """The layer boundaries the sweep's pipelines got (one line per distinct split)."""
     seen = {str(o.ranks[0]["parts"]) for o in outcomes if o.ranks and o.ranks[0]["parts"]}
@@ -446,6 +495,8 @@ def main() -> None:
                              "its compute nil)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder for the run's record, parallel.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -462,6 +513,9 @@ def main() -> None:
              for p in map(int, filter(None, args.bubble_stages.split(",")))
              for m in map(int, filter(None, args.bubble_m.split(",")))]
     missing = deepshard_missing()
+    record = Run("parallel", {key: getattr(args, key) for key in (
+        "size", "layouts", "global_batch", "micro", "steps", "warmup", "bubble_stages",
+        "bubble_m", "bubble_size", "partition_method")} | {"sweep_partition": sweep_partition})
     outcomes = []
     for spec in layouts + sweep:
         if missing:
@@ -472,11 +526,14 @@ def main() -> None:
         if outcome.why_not:
             print(f"{spec.name} {outcome.why_not}", file=sys.stderr, flush=True)
         outcomes.append(outcome)
-    print_report(args, outcomes[:len(layouts)], outcomes[len(layouts):])
+    tables = print_report(args, outcomes[:len(layouts)], outcomes[len(layouts):])
+    record.write(layout_rows(outcomes[:len(layouts)]) + bubble_rows(outcomes[len(layouts):]),
+                 tables, args.results)
 
 
 def print_report(args: argparse.Namespace, layouts: list[Outcome],
-                 sweep: list[Outcome]) -> None:
+                 sweep: list[Outcome]) -> list[str]:
+    """Print the run's header and tables; the tables' lines (both, a blank line between)."""
     import torch
 
     size = SIZES[args.size]
@@ -491,7 +548,9 @@ def print_report(args: argparse.Namespace, layouts: list[Outcome],
     print(f"{platform.node()}, {os.cpu_count()} cores ({cpu_model()}), "
           f"Python {platform.python_version()}, torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
+    tables: list[str] = []
     if layouts:
+        tables += layout_table(layouts)
         print()
         print("\n".join(layout_table(layouts)))
         print(loss_check(layouts))
@@ -501,11 +560,13 @@ def print_report(args: argparse.Namespace, layouts: list[Outcome],
         print(f"Pipeline bubble, P ranks alone (P x 1 x 1): GPT {args.bubble_size} "
               f"({SIZES[args.bubble_size] or 'GPTConfig()'}), partition_method "
               f"{partition!r}; the stage boundaries {_parts(sweep)}:")
+        tables += ([""] if tables else []) + bubble_table(sweep)
         print("\n".join(bubble_table(sweep)))
     if args.json:
         args.json.write_text(json.dumps(
             [{"spec": dataclasses.asdict(o.spec), "ranks": o.ranks, "why_not": o.why_not}
              for o in layouts + sweep], indent=1))
+    return tables
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ With ``--checkpoint_dir``, a checkpoint is saved every ``--save_interval`` steps
 training resumes from the newest complete one (after a restart by ``ds-run
 --max_restarts``, or when run again).
 
+With ``--plot PATH``, rank 0 also writes the run's loss curve to the PNG ``PATH`` at the
+end (matplotlib, imported only then; without it the script says ``pip install matplotlib``
+and exits 2 before training).
+
 With ``pipeline.stages`` > 1 in the config, the model is the same GPT as a
 ``PipelineModule`` (``examples/gpt_pipe.py``: the same initial weights) and each step is one
 ``engine.train_batch``, fed this data-parallel rank's micro-batches, the same ones the
@@ -35,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt import GPT, GPTConfig, rank_indices, sample_batch, stdlib_corpus
 from gpt_pipe import pipe_gpt
+from loss_plot import require_matplotlib, write_loss_plot
 
 import deepshard
 from deepshard.runtime.config.dialect import read_config_source
@@ -57,12 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save_interval", type=int, default=0)
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="recompute each block in backward instead of storing it")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="rank 0 writes the run's loss curve to this PNG (needs "
+                             "matplotlib: pip install 'deepshard[plot]')")
     deepshard.add_config_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.plot:
+        require_matplotlib()  # before any training: one line and exit 2 when missing
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
@@ -83,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.gradient_accumulation_steps()
     # with tensor parallelism, the ranks of one tensor group share a data-parallel rank
     dp_rank, dp_size = getattr(engine, "dp_rank", dist.get_rank()), engine.dp_world_size
-    world = dist.get_world_size()
+    world, losses = dist.get_world_size(), []
     for step in range(engine.global_steps, args.steps):
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for micro_step in range(accumulation):
@@ -96,11 +106,26 @@ def main(argv: list[str] | None = None) -> None:
             total += loss.detach().double()
         if world > 1:  # tensor-parallel peers hold the same loss: a mean over the world
             dist.all_reduce(total)
-        if dist.get_rank() == 0:
-            print(f"step {step + 1} loss {(total / (accumulation * world)).item()!r}",
-                  flush=True)
+        report(losses, step + 1, (total / (accumulation * world)).item())
         if args.checkpoint_dir and args.save_interval and (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.checkpoint_dir)
+    finish(args, losses)
+
+
+def report(losses: list[tuple[int, float]], step: int, loss: float) -> None:
+    """Rank 0 prints ``step <n> loss <value>`` and keeps the pair for ``--plot``."""
+    if dist.get_rank() == 0:
+        print(f"step {step} loss {loss!r}", flush=True)
+        losses.append((step, loss))
+
+
+def finish(args: argparse.Namespace, losses: list[tuple[int, float]]) -> None:
+    """Rank 0 writes the ``--plot`` PNG; every rank leaves the process group."""
+    if args.plot and dist.get_rank() == 0 and losses:
+        config = os.path.basename(args.deepspeed_config or "no config")
+        path = write_loss_plot(args.plot, losses, f"examples/train_gpt.py: loss by step, "
+                               f"{config}, {dist.get_world_size()} rank(s)")
+        print(f"loss curve written to {path}", flush=True)
     dist.destroy_process_group()
 
 
@@ -139,6 +164,7 @@ def train_pipeline(args: argparse.Namespace, cfg: GPTConfig, pipeline: dict,
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), \
         engine.gradient_accumulation_steps()
     dp_rank, dp_size, world = engine.dp_rank, engine.dp_world_size, dist.get_world_size()
+    losses: list[tuple[int, float]] = []
     for step in range(engine.global_steps, args.steps):
         batches = (tuple(t.to(engine.device) for t in sample_batch(
             corpus, rank_indices(step, m, dp_rank, dp_size, micro, accumulation), args.seed,
@@ -148,11 +174,10 @@ def train_pipeline(args: argparse.Namespace, cfg: GPTConfig, pipeline: dict,
         total = torch.as_tensor(loss).detach().to(engine.device, torch.float64).reshape(())
         if world > 1:
             dist.all_reduce(total)
-        if dist.get_rank() == 0:
-            print(f"step {step + 1} loss {(total / world).item()!r}", flush=True)
+        report(losses, step + 1, (total / world).item())
         if args.checkpoint_dir and args.save_interval and (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.checkpoint_dir)
-    dist.destroy_process_group()
+    finish(args, losses)
 
 
 if __name__ == "__main__":

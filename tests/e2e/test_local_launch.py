@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -38,15 +39,25 @@ def wait_for_pids(pid_dir: Path, count: int, proc: subprocess.Popen, timeout: fl
     raise AssertionError("workers did not start in time")
 
 
-def test_readme_demo_trains_the_gpt():
-    """``make demo``'s command (fewer steps): the reference-size GPT on 2 CPU workers."""
+def test_readme_demo_trains_the_gpt(tmp_path):
+    """``make demo``'s command (fewer steps): the reference-size GPT on 2 CPU workers; with
+    ``--plot`` (where matplotlib is installed) rank 0 also draws its loss curve."""
+    plot = importlib.util.find_spec("matplotlib") is not None
+    png = tmp_path / "loss.png"
     result = run_ds("--num_gpus", "2", "examples/train_gpt.py", "--deepspeed_config",
-                    "examples/configs/stage0.json", "--steps", "3", timeout=300)
+                    "examples/configs/stage0.json", "--steps", "3",
+                    *(["--plot", str(png)] if plot else []), timeout=300)
     assert result.returncode == 0, result.stderr
     losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
               if line.startswith("[localhost:0] step")]
     assert len(losses) == 3
     assert all(8.5 < loss < 9.5 for loss in losses)  # about ln(8192) = 9.01 at the start
+    if plot:
+        from matplotlib.image import imread
+
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert imread(png).shape[:2] == (400, 800)
+        assert f"[localhost:0] loss curve written to {png}" in result.stdout
 
 
 def test_ddp_example_trains():

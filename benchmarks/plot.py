@@ -1,0 +1,309 @@
+"""Draw the README's benchmark plots from the runs' JSON records, and from nothing else.
+
+Each benchmark writes ``benchmarks/results/<name>.json`` (``benchmarks/record.py``); this
+script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800 px wide):
+
+    zero.png     step time and peak RSS per rank by ZeRO stage beside DDP, FSDP2, DeepSpeed
+    fanout.png   ds-run's ssh fan-out beside pdsh by host count
+    bubble.png   the pipeline bubble measured beside the theory and the 1F1B simulator, by m
+    launch.png   launch overhead of ds-run beside torchrun, DeepSpeed and plain python
+
+    python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
+                              [--only zero,fanout,bubble,launch]
+
+A missing or malformed record is one line naming the file, and exit status 2. Every
+number drawn comes from a record; the footer gives the run's date, commit and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from record import RESULTS, RecordError, read  # noqa: E402
+
+OUT = HERE.parent / "docs" / "plots"
+WIDTH_IN, DPI = 8.0, 100
+"""Figures are 800 px wide: the README's width."""
+PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch"}
+"""Plot name -> the benchmark record it draws."""
+COLORS = {"deepshard": "#1f77b4", "DeepSpeed": "#d62728", "torch, AdamW for-loop": "#7f7f7f",
+          "torch, AdamW(fused=True)": "#bcbd22"}
+
+
+class PlotError(Exception):
+    """A record this script cannot draw; the message names the file."""
+
+
+def footer(fig, data: dict) -> None:
+    """The run's date, commit, machine and load, small, at the bottom left."""
+    m = data["machine"]
+    load = ""
+    if m.get("loadavg_start"):
+        load = f"; load average {m['loadavg_start'][0]:.2f} at start"
+        if m.get("loadavg_end"):
+            load += f", {m['loadavg_end'][0]:.2f} at end"
+    fig.text(0.01, 0.008, f"benchmarks/{data['benchmark']}.py, run {data['date']}, commit "
+             f"{data['commit']}; {m.get('cores', '?')} cores ({m.get('cpu', '?')}){load}",
+             fontsize=7, color="#555555", ha="left", va="bottom")
+
+
+def _figure(height_in: float, rows: int = 1, ratios: tuple[float, ...] | None = None):
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, 1, figsize=(WIDTH_IN, height_in), dpi=DPI,
+                        gridspec_kw={"height_ratios": ratios} if ratios else None)
+
+
+# ---------------------------------------------------------------- zero.png
+
+ZERO_GROUPS = [("DDP", "ddp", None), ("FSDP2", "fsdp2", None)] + [
+    (f"ZeRO {stage}" + (" +\noffload" if offload else ""), None, (stage, offload))
+    for stage, offload in ((0, False), (1, False), (2, False), (2, True), (3, False), (3, True))]
+"""(label, torch runtime, (stage, offload) of the engines) per group of bars."""
+
+
+def _series(row: dict) -> str:
+    if row["runtime"] == "deepshard":
+        return "deepshard"
+    if row["runtime"] == "deepspeed":
+        return "DeepSpeed"
+    return "torch, AdamW(fused=True)" if row["fused"] else "torch, AdamW for-loop"
+
+
+def zero_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The rows that ran, grouped for the bars: DDP, FSDP2, then each ZeRO setup (deepshard
+    beside DeepSpeed); ``loss.backward()`` variants and the compute floor are left out."""
+    ran = [r for r in rows if r["status"] == "ok" and not r["torch_backward"]]
+    groups = []
+    for label, torch_runtime, setup in ZERO_GROUPS:
+        members = [r for r in ran if (r["runtime"] == torch_runtime if torch_runtime else
+                   r["runtime"] in ("deepshard", "deepspeed")
+                   and (r["stage"], r["offload"]) == setup)]
+        members.sort(key=lambda r: list(COLORS).index(_series(r)))
+        if members:
+            groups.append((label, members))
+    return groups
+
+
+def _grouped_bars(ax, groups, value, per_rank=None) -> None:
+    """Bars of ``value(row)`` per group; black dots at ``per_rank(row)`` (each rank)."""
+    width = 0.38
+    for g, (_, members) in enumerate(groups):
+        for i, row in enumerate(members):
+            x = g + (i - (len(members) - 1) / 2) * width
+            series = _series(row)
+            ax.bar(x, value(row), width * 0.95, color=COLORS[series], label=series)
+            if per_rank:
+                ranks = per_rank(row)
+                ax.plot([x] * len(ranks), ranks, ".", color="black", markersize=3,
+                        label="each rank")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+
+
+def _dedup_legend(ax, **kwargs) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, **kwargs)
+
+
+def plot_zero(data: dict):
+    """Two panels: rank 0's median step time, and peak RSS (bar: the highest rank, dots:
+    each rank), per setup; the compute floor as a dashed line."""
+    groups = zero_groups(data["rows"])
+    if not groups:
+        raise PlotError("no peer that ran")
+    fig, (top, bottom) = _figure(6.6, 2)
+    _grouped_bars(top, groups, lambda r: r["median_s"])
+    floor = next((r for r in data["rows"] if r["runtime"] == "floor" and r["status"] == "ok"),
+                 None)
+    if floor:
+        top.axhline(floor["median_s"], color="black", linestyle="--", linewidth=1,
+                    label="compute floor (no gradient exchange)")
+    top.set_ylabel("s / step (rank 0, median)")
+    s = data["settings"]
+    top.set_title(f"ZeRO: GPT 27.4M fp32, {s['world']} CPU ranks x {s['threads_per_rank']} "
+                  f"thread, median of {s['rounds']} rounds x {s['steps']} steps", fontsize=10)
+    _dedup_legend(top, loc="lower left", ncol=3)
+    _grouped_bars(bottom, groups, lambda r: max(r["peak_rss_mib"]),
+                  per_rank=lambda r: r["peak_rss_mib"])
+    bottom.set_ylabel("peak RSS per rank (MiB)")
+    bottom.set_title("Peak resident memory (bar: the higher rank)", fontsize=10)
+    _dedup_legend(bottom, loc="lower left", ncol=3)
+    return fig
+
+
+# ---------------------------------------------------------------- fanout.png
+
+def plot_fanout(data: dict):
+    """Wall time of the trivial job against the host count (log x), ds-run beside pdsh,
+    with the ratio ds-run / pdsh written at each count."""
+    rows = sorted(data["rows"], key=lambda r: r["hosts"])
+    if not rows:
+        raise PlotError("no rows")
+    fig, ax = _figure(4.4)
+    hosts = [r["hosts"] for r in rows]
+    ax.plot(hosts, [r["ds_run_s"] for r in rows], "o-", color=COLORS["deepshard"],
+            label="ds-run (ssh backend, one agent per host)")
+    ax.plot(hosts, [r["pdsh_s"] for r in rows], "s--", color="#2ca02c",
+            label="pdsh -R ssh (worker started directly)")
+    for r in rows:
+        ax.annotate(f"{r['ds_run_over_pdsh']:.2f}x", (r["hosts"], r["ds_run_s"]),
+                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8,
+                    color=COLORS["deepshard"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(hosts, [str(h) for h in hosts])
+    ax.set_xlabel("hosts (network namespaces with their own sshd, one worker each)")
+    ax.set_ylabel("wall time of a trivial job (s, median)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"SSH fan-out: median of {data['settings']['rounds']} alternating rounds "
+                 "(labels: ds-run / pdsh)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+# ---------------------------------------------------------------- bubble.png
+
+def bubble_rows(data: dict) -> list[dict]:
+    """The sweep's rows that ran, by m, for the first pipeline depth P in the record."""
+    rows = sorted((r for r in data["rows"] if r.get("kind") == "bubble"
+                   and r["status"] == "ok"), key=lambda r: r["m"])
+    if not rows:
+        raise PlotError("no bubble rows that ran")
+    return [r for r in rows if r["pipe"] == rows[0]["pipe"]]
+
+
+SERIES = (("bubble_span", "o-", "measured, 1 - busy/span"),
+          ("bubble_total", "o--", "measured, 1 - busy/batch"),
+          ("simulated", "x:", "1F1B simulator"))
+"""(row key, line style, label) of each per-stage series of bubble.png."""
+
+
+def plot_bubble(data: dict):
+    """Idle fraction per stage against m (top) and its distance from the theory (bottom):
+    the theory (P-1)/(m+P-1), the 1F1B simulator fed the measured stage costs, and the
+    bubble measured over the 1F1B span and over the whole batch."""
+    rows = bubble_rows(data)
+    pipe, ms = rows[0]["pipe"], [r["m"] for r in rows]
+    fig, (top, bottom) = _figure(6.2, 2, (2.2, 1))
+    curve = [ms[0] * 2 ** (k / 20) for k in range(int(20 * math.log2(ms[-1] / ms[0])) + 1)]
+    top.plot(curve, [(pipe - 1) / (m + pipe - 1) for m in curve], color="black", linewidth=1,
+             label=f"theory (P-1)/(m+P-1), P = {pipe}")
+    top.plot(ms, [r["theory"] for r in rows], "D", color="black", markersize=4)
+    bottom.axhline(0, color="black", linewidth=1)
+    for stage in range(pipe):
+        for key, style, label in SERIES:
+            values = [r[key][stage] for r in rows]
+            kwargs = {"color": f"C{stage}", "label": f"{label}, stage {stage}",
+                      "markerfacecolor": "white" if "--" in style else None}
+            top.plot(ms, values, style, **kwargs)
+            bottom.plot(ms, [100 * (v - r["theory"]) / r["theory"]
+                             for v, r in zip(values, rows, strict=True)], style, **kwargs)
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.grid(alpha=0.3)
+    s = data["settings"]
+    top.set_title(f"Pipeline bubble: GPT '{s['bubble_size']}', {pipe} stages on {pipe} ranks, "
+                  f"median of {s['steps']} steps", fontsize=10)
+    top.set_ylabel("idle fraction of the stage")
+    top.set_ylim(bottom=0)
+    top.legend(fontsize=7.5, loc="upper right", ncol=2)
+    bottom.set_ylabel("off the theory (%)")
+    bottom.set_xlabel("micro-batches per step, m")
+    return fig
+
+
+# ---------------------------------------------------------------- launch.png
+
+def plot_launch(data: dict):
+    """Median wall time of a trivial 2-worker job per launcher, horizontal bars, log x."""
+    rows = sorted(data["rows"], key=lambda r: r["median_s"])
+    if not rows:
+        raise PlotError("no rows")
+    fig, ax = _figure(3.4)
+    names = [r["launcher"] for r in rows]
+    colors = [COLORS["deepshard"] if n == "ds-run" else COLORS["DeepSpeed"]
+              if n == "deepspeed" else "#7f7f7f" for n in names]
+    ax.barh(names, [r["median_s"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        ax.text(r["median_s"] * 1.08, i, f"{r['median_s']:.3f} s (ds-run / this: "
+                f"{r['ds_run_over']:.2f})", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(min(r["median_s"] for r in rows) / 2, max(r["median_s"] for r in rows) * 8)
+    ax.invert_yaxis()
+    ax.set_xlabel("median wall time (s, log scale)")
+    ax.set_title(f"Launch overhead: trivial 2-worker job, median of "
+                 f"{data['settings']['rounds']} alternating rounds", fontsize=10)
+    ax.grid(axis="x", alpha=0.3, which="both")
+    ax.set_axisbelow(True)
+    return fig
+
+
+DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch}
+
+
+# ---------------------------------------------------------------- command line
+
+def draw(name: str, results: Path, out: Path) -> Path:
+    """Read ``name``'s record from ``results`` and write ``out/<name>.png``; its path."""
+    import matplotlib.pyplot as plt
+
+    path = results / f"{PLOTS[name]}.json"
+    data = read(path, PLOTS[name])
+    try:
+        fig = DRAW[name](data)
+    except PlotError as exc:
+        raise PlotError(f"{path}: {exc}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        what = f"missing field {exc}" if isinstance(exc, KeyError) else f"bad field: {exc}"
+        raise PlotError(f"{path}: {what}") from None
+    footer(fig, data)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{name}.png"
+    fig.savefig(target, dpi=DPI, metadata={"Software": None})
+    plt.close(fig)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Draw the plots; 0, or 2 with one line on stderr when a record cannot be drawn."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder of the benchmarks' JSON records (default benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for the PNGs "
+                        "(default docs/plots)")
+    parser.add_argument("--only", default=",".join(PLOTS),
+                        help=f"comma-separated subset of {', '.join(PLOTS)}")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PLOTS]
+    if unknown:
+        parser.error(f"unknown plot {unknown[0]!r}; choose from {', '.join(PLOTS)}")
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot.py: matplotlib is not installed: pip install matplotlib "
+              "(or deepshard[plot])", file=sys.stderr)
+        return 2
+    matplotlib.use("Agg")
+    for name in names:
+        try:
+            print(f"wrote {draw(name, args.results, args.out)}")
+        except (RecordError, PlotError) as exc:
+            print(f"plot.py: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""benchmarks/plot.py draws the README's PNGs from the benchmarks' JSON records: records
+built here by the benchmark scripts' own row writers (a schema round trip, nothing timed),
+and the checked-in ``benchmarks/results``; a malformed record is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytest.importorskip("matplotlib")
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import fanout
+import launch
+import parallel
+import plot
+import record
+import zero
+from train import Outcome
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340}
+"""Each plot's expected size in pixels: 800 wide, this high."""
+
+
+def _zero_outcome(name: str, median: float, rss: tuple[int, int]) -> Outcome:
+    ranks = tuple({"peer": name, "rank": r, "step_s": [median * 0.99, median, median * 1.02],
+                   "params": 27369472, "peak_rss_kib": rss[r] * 1024, "optimizer": "AdamW",
+                   "losses": [9.1, 9.0], "torch": "2.13", "backend": "gloo"} for r in (0, 1))
+    return Outcome(zero.PEERS[name], ranks)
+
+
+def zero_record() -> dict:
+    outcomes = [_zero_outcome(name, 2.5 + i / 10, (900 - 10 * i, 905 - 10 * i))
+                for i, name in enumerate(["compute-floor", "ddp", "ddp-fused", "fsdp2",
+                                          "deepspeed-z2", "deepshard-z2", "deepshard-z3"])]
+    outcomes.append(Outcome(zero.PEERS["deepspeed-z3"], why_not="failed: it broke"))
+    outcomes.append(_zero_outcome("deepshard-z2-torchbwd", 2.9, (800, 801)))
+    return record.Run("zero", {"world": 2, "threads_per_rank": 1, "rounds": 2, "steps": 3}) \
+        .to_dict(zero.rows(outcomes), zero.table(outcomes))
+
+
+def _bubble_outcome(m: int) -> parallel.Outcome:
+    spec = parallel.RunSpec(f"pp2-m{m}", 2, 2, 1, 2, m, "balanced", 2, 0, "uniform")
+    theory = 1 / (m + 1)
+    timing = [{"total_s": 1.0, "pipe_s": 0.95, "busy_s": 0.95 * (1 - theory),
+               "forward_s": 0.3, "backward_s": 0.6}] * 2
+    ranks = tuple({"rank": r, "coord": [r, 0, 0], "parts": [0, 4, 8], "step_s": [1.0, 1.1],
+                   "losses": [5.5, 5.4], "timing": timing} for r in (0, 1))
+    return parallel.Outcome(spec, ranks)
+
+
+def parallel_record() -> dict:
+    outcomes = [_bubble_outcome(m) for m in (2, 4, 8)]
+    return record.Run("parallel", {"bubble_size": "balanced", "steps": 2}).to_dict(
+        parallel.bubble_rows(outcomes), parallel.bubble_table(outcomes))
+
+
+def fanout_record() -> dict:
+    rows = [fanout.row(n, {"ds-run": [0.5 + n / 20, 0.6 + n / 20], "pdsh": [0.3 + n / 10] * 2})
+            for n in (1, 4, 16, 32)]
+    return record.Run("fanout", {"rounds": 2, "hosts": [1, 4, 16, 32]}).to_dict(
+        rows, fanout.table(rows))
+
+
+def launch_record() -> dict:
+    runs = launch.launchers()
+    times = {name: [0.1 * (i + 1) ** 2, 0.11 * (i + 1) ** 2] for i, name in enumerate(runs)}
+    rows = launch.rows(runs, times)
+    return record.Run("launch", {"rounds": 2}).to_dict(rows, launch.table(rows))
+
+
+@pytest.fixture
+def results(tmp_path):
+    """A results folder with one record per benchmark, as the scripts write them."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for data in (zero_record(), parallel_record(), fanout_record(), launch_record()):
+        (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
+    return folder
+
+
+def assert_pngs(out, names=tuple(plot.PLOTS)) -> None:
+    from matplotlib.image import imread
+
+    for name in names:
+        path = out / f"{name}.png"
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        assert imread(path).shape[:2] == (HEIGHTS[name], 800), name
+        assert path.stat().st_size < 150_000, name
+
+
+def test_records_the_scripts_write_read_back_in_the_schema(results):
+    for name, benchmark in plot.PLOTS.items():
+        data = record.read(results / f"{benchmark}.json", benchmark)
+        assert data["schema"] == record.SCHEMA and data["rows"] and data["table"], name
+        assert data["commit"] and data["date"].endswith("Z")
+
+
+def test_plots_drawn_from_the_records_are_pngs_of_readme_width(results, tmp_path):
+    out = tmp_path / "plots"
+    assert plot.main(["--results", str(results), "--out", str(out)]) == 0
+    assert_pngs(out)
+
+
+def test_the_checked_in_results_plot(tmp_path):
+    present = [name for name, b in plot.PLOTS.items()
+               if (record.RESULTS / f"{b}.json").exists()]
+    if not present:
+        pytest.skip("no checked-in benchmarks/results yet")
+    assert plot.main(["--out", str(tmp_path), "--only", ",".join(present)]) == 0
+    assert_pngs(tmp_path, present)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ("[]", "expected a JSON object"),
+    ('{"schema": 1}', "missing key 'benchmark'"),
+])
+def test_a_malformed_record_is_one_line_and_exit_2(results, tmp_path, capsys, content,
+                                                   message):
+    (results / "launch.json").write_text(content)
+    assert plot.main(["--results", str(results), "--out", str(tmp_path),
+                      "--only", "launch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(results / "launch.json") in err and message in err
+
+
+def test_a_record_missing_a_field_names_the_file(results, tmp_path, capsys):
+    data = json.loads((results / "fanout.json").read_text())
+    del data["rows"][0]["pdsh_s"]
+    (results / "fanout.json").write_text(json.dumps(data))
+    assert plot.main(["--results", str(results), "--out", str(tmp_path),
+                      "--only", "fanout"]) == 2
+    assert capsys.readouterr().err == f"plot.py: {results / 'fanout.json'}: " \
+        "missing field 'pdsh_s'\n"
+
+
+def test_the_command_line_reports_a_missing_record_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot.py"),
+                             "--results", str(tmp_path), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"plot.py: {tmp_path / 'zero.json'}: no such file " \
+        "(run the benchmark first)\n"
