@@ -74,6 +74,7 @@ ROOT = HERE.parent
 WORKER = HERE / "hf_worker.py"
 sys.path.insert(0, str(HERE))
 
+from record import RESULTS, Run  # noqa: E402
 from train import (  # noqa: E402
     DEFAULT_DS_PYTHON,
     RESULT_TAG,
@@ -411,12 +412,17 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per row")
     parser.add_argument("--output", type=Path, help="also write the report (markdown) here")
     parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder for the run's record, hf.json")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     libs = [lib.strip() for lib in args.libs.split(",") if lib.strip()]
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
+    record = Run("hf", {key: getattr(args, key) for key in (
+        "quick", "parts", "stages", "driver", "libs", "steps", "warmup", "rounds",
+        "micro_batch")} | {"world": WORLD})
 
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
     trainer_missing = deepshard_trainer_missing()
@@ -494,6 +500,17 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({name: {"ranks": o.ranks, "why_not": o.why_not}
                                          for name, o in outcomes.items()}, indent=1))
+    record.settings["model"] = model
+    record.write(record_rows(outcomes), report, args.results)
+
+
+def record_rows(outcomes: dict[str, Outcome]) -> list[dict]:
+    """One row per measurement for ``benchmarks/results/hf.json``: what it was (part,
+    library, stage, driver), its status, and each rank's result line as the worker
+    reported it (step times, RSS, losses, bytes; the tables are computed from these)."""
+    return [{"row": name, "part": o.row.part, "lib": o.row.lib, "stage": o.row.stage,
+             "driver": o.row.driver, "status": o.why_not or "ok", "ranks": o.ranks}
+            for name, o in outcomes.items()]
 
 
 if __name__ == "__main__":

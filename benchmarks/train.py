@@ -52,6 +52,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from record import RESULTS, Run  # noqa: E402
+
 RESULT_TAG = "BENCH_RESULT "
 WORLD = 2
 MICRO_BATCH = 4
@@ -350,6 +354,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="run the peer list this many times, rotating its order")
     parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder for the run's record, train.json")
     parser.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -366,8 +372,33 @@ def main() -> None:
         return ds_missing if peer.foreign else deepshard_missing() if peer.name == "deepshard" \
             else ""
 
-    print_report(args, run_rounds([PEERS[n] for n in names], args, run_peer, missing),
-                 ds_label)
+    record = Run("train", {"peers": names, "steps": args.steps, "warmup": args.warmup,
+                           "rounds": args.rounds, "world": WORLD, "threads_per_rank": 1,
+                           "micro_batch": MICRO_BATCH, "seq_len": 128, "deepspeed": ds_label})
+    outcomes = run_rounds([PEERS[n] for n in names], args, run_peer, missing)
+    print_report(args, outcomes, ds_label)
+    record.write(rows(outcomes), table(outcomes), args.results)
+
+
+def rows(outcomes: list[Outcome]) -> list[dict]:
+    """The table's numbers per peer, unformatted, for ``benchmarks/results/train.json``."""
+    ran = {o.peer.name: o for o in outcomes if o.ranks}
+    ddp = ran["ddp"].median_s if "ddp" in ran else None
+    out = []
+    for o in outcomes:
+        p = o.peer
+        row = {"peer": p.name, "runtime": p.runtime, "fused": p.fused,
+               "torch_adam": p.torch_adam, "note": p.note, "status": o.why_not or "ok"}
+        if o.ranks:
+            first = o.ranks[0]
+            row.update(median_s=o.median_s, min_s=min(first["step_s"]),
+                       max_s=max(first["step_s"]), step_s=first["step_s"],
+                       vs_ddp=o.median_s / ddp if ddp else None,
+                       peak_rss_mib=[r["peak_rss_kib"] / 1024 for r in o.ranks],
+                       final_loss=first["losses"][-1], optimizer=first["optimizer"],
+                       params=first["params"])
+        out.append(row)
+    return out
 
 
 def run_rounds(peers: list, args: argparse.Namespace, run, missing) -> list[Outcome]:

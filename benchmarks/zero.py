@@ -431,12 +431,18 @@ def _cpu_adam_parity(numel: int = 1 << 20, steps: int = 3) -> float:
 def run_adam(args: argparse.Namespace) -> None:
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
     sizes = [int(n) for n in args.adam_numel.split(",") if n.strip()]
+    record = Run("zero-adam", {"sizes": sizes, "threads": ADAM_THREADS, "steps": args.adam_steps,
+                               "warmup": args.warmup, "deepspeed": ds_label})
+    records: list[dict] = []
     lines = ["| optimizer | elements | threads | s/step (median) | G params/s | vs fused | notes |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for numel in sizes:
         rows = {impl: _run_adam_impl(impl, numel, args, ds_missing) for impl in ADAM_IMPLS}
         fused = rows["torch-adamw-fused"]
         for impl, row in rows.items():
+            records.append({"impl": impl, "numel": numel, "status": row} if isinstance(row, str)
+                           else {**row, "status": "ok", "median_s": statistics.median(
+                               row["step_s"])})
             if isinstance(row, str):
                 lines.append(f"| {impl} | {numel / 1e6:.1f}M | - | - | - | - | {row} |")
                 continue
@@ -457,6 +463,7 @@ def run_adam(args: argparse.Namespace) -> None:
           + (f"; {ds_label} ({args.deepspeed_python})" if ds_label else ""))
     print()
     print("\n".join(lines))
+    record.write(records, lines, args.results)
 
 
 def _run_adam_impl(impl: str, numel: int, args: argparse.Namespace, ds_missing: str):
