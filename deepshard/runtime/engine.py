@@ -13,7 +13,8 @@ masters and optimizer state live is the strategy's
 - ``step()`` counts micro-steps; at a boundary it takes the unscaled gradients from the
   strategy, checks for overflow (fp16: a skipped step on every rank, since the norm is the
   same on every rank), clips, has the strategy step the optimizer, steps the scheduler,
-  zeroes the gradients and beats the launcher's heartbeat.
+  zeroes the gradients and beats the launcher's heartbeat with the step's loss;
+  :mod:`.engine_monitor` times the three and writes the enabled monitors' events.
 
 Checkpoints are :mod:`deepshard.runtime.checkpoint.engine_io`'s, over this engine's public
 state. Errors are :class:`~deepshard.errors.UsageError` exceptions a caller can catch;
@@ -39,6 +40,7 @@ from ..liveness import heartbeat
 from .backward import BackwardDriver
 from .checkpoint import engine_io
 from .engine_getters import EngineGetters
+from .engine_monitor import EngineMonitor
 from .hooks import weak_hook
 from .loss_scaler import backward_factor, inverse_scale
 from .precision import clip_
@@ -106,6 +108,8 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         self._no_sync = False
         self._prescaled = False
         self.training_dataloader = None
+        self._monitor = EngineMonitor(parts.config, parts.rank, parts.strategy.group,
+                                      parts.strategy.world, parts.device)
         self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
                                       lambda: heartbeat(self.counters.global_steps))
         self._grad_hooks = [p.register_hook(weak_hook(self._driver.param_grad))
@@ -152,6 +156,7 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
         self._driver.reap()
+        self._monitor.begin("fwd")
         factory = self._profiler_factory
         if (factory is not None and self.module.training and self._profiler is None
                 and self.counters.global_steps == self._config.flops_profiler.profile_step):
@@ -159,6 +164,7 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
             out = self._profiler.profile_forward(lambda: self.module(*inputs, **kwargs))
         else:
             out = self.module(*inputs, **kwargs)
+        self._monitor.end("fwd")
         self._driver.hook_outputs(out)  # loss.backward() on them: :mod:`..backward`
         return out
 
@@ -179,8 +185,11 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         boundary = self._sync_now()
         gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = backward_factor(gas, self.dp_world_size, self.loss_scaler)
+        self._monitor.record_loss(loss)
+        self._monitor.begin("bwd")
         self.run_backward(lambda: (loss.float() * factor if factor != 1.0 else loss).backward(
             retain_graph=retain_graph), boundary)
+        self._monitor.end("bwd")
         heartbeat(self.counters.global_steps)
         return loss / gas if gas != 1 else loss
 
@@ -246,13 +255,16 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
                              hint='add an "optimizer" section to the config, or pass '
                                   "optimizer= to deepshard.initialize()")
         started = time.perf_counter()
+        self._monitor.begin("step")
         self._step_applied = self._apply()
         self.strategy.zero_grad()
         c = self.counters
         c.micro_steps += 1
         c.global_steps += 1
         c.global_samples += self._config.train_batch_size
-        heartbeat(c.global_steps)
+        heartbeat(c.global_steps, loss=self._monitor.step_loss())
+        self._monitor.end("step")
+        self._monitor.after_step(self)
         self._report(time.perf_counter() - started)
 
     def _apply(self) -> bool:
@@ -406,6 +418,7 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
             handle.remove()
         self._grad_hooks.clear()
         self.strategy.close()
+        self._monitor.close()
 
     def barrier(self) -> None:
         """Every rank of the job (checkpoints are collective over all of them)."""

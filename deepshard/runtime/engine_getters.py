@@ -135,8 +135,19 @@ class EngineGetters:
         return self._config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        """DeepSpeed's timer flag; deepshard keeps no engine timers."""
-        return False
+        """Whether the engine times forward, backward and step (the config's flag)."""
+        return self._config.wall_clock_breakdown
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """The last optimizer step's forward, backward and step times in ms (``fwd``,
+        ``bwd``, ``step``; empty without ``wall_clock_breakdown``)."""
+        return self._monitor.wall_clock_timers()
+
+    @property
+    def monitor(self):
+        """The engine's :class:`~deepshard.monitor.monitor.MonitorMaster` (DeepSpeed's
+        ``engine.monitor``: ``.enabled``, ``.write_events(events)`` for a script's own)."""
+        return self._monitor.master
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""

@@ -49,13 +49,13 @@ def test_bad_config_fails_the_job_in_one_line(tmp_path, config, fragments):
 def test_unimplemented_keys_warn_once_and_train(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
-                                "wall_clock_breakdown": True,
+                                "memory_breakdown": True,
                                 "aio": {"block_size": 1048576}}))
     result = run_ds("--num_gpus", "2", TRAIN, "--deepspeed_config", str(path), *TINY,
                     timeout=180)
     assert result.returncode == 0, result.stderr
     warnings = [line for line in (result.stdout + result.stderr).splitlines()
                 if "does not implement" in line]
-    assert len(warnings) == 1 and "wall_clock_breakdown" in warnings[0] \
+    assert len(warnings) == 1 and "memory_breakdown" in warnings[0] \
         and "aio" in warnings[0]
     assert "step 2 loss" in result.stdout

@@ -28,6 +28,13 @@ from deepshard.runtime.config.schema_base import (
     one_of,
 )
 from deepshard.runtime.config.schema_comm import CommsLoggerConfig
+from deepshard.runtime.config.schema_monitor import (
+    CometConfig,
+    CSVConfig,
+    MonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from deepshard.runtime.config.schema_optim import OptimizerConfig, SchedulerConfig
 from deepshard.runtime.config.schema_zero import ZeroConfig
 
@@ -193,13 +200,13 @@ class DeepShardConfig(Section):
     """
 
     ds_only_keys: ClassVar[frozenset[str]] = frozenset({
-        "wall_clock_breakdown", "memory_breakdown", "dump_state", "disable_allgather",
+        "memory_breakdown", "dump_state", "disable_allgather",
         "disable_python_gc", "dataloader_drop_last", "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer", "gradient_allreduce_op", "managed_gradient_accumulation",
         "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
         "use_data_before_expert_parallelism", "sequence_parallel_size", "allgather_size",
         "data_parallel_size",
-        "data_types", "torch_autocast", "aio", "tensorboard", "wandb", "csv_monitor", "comet",
+        "data_types", "torch_autocast", "aio",
         "autotuning", "data_efficiency", "compile", "timers",
         "expert_parallel", "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
@@ -250,6 +257,21 @@ class DeepShardConfig(Section):
                                           default_factory=CommsLoggerConfig)
     checkpoint: CheckpointConfig = doc("Checkpoint options and deepshard's resume policy.",
                                        default_factory=CheckpointConfig)
+    wall_clock_breakdown: Bool = doc(
+        "Time forward, backward and step: a 'time (ms)' line on rank 0 every "
+        "steps_per_print steps (every step when that is unset), and elapsed_time_ms_* "
+        "events for the enabled monitors.", default=False)
+    tensorboard: TensorBoardConfig = doc("TensorBoard monitor.",
+                                         default_factory=TensorBoardConfig)
+    wandb: WandbConfig = doc("Weights & Biases monitor.", default_factory=WandbConfig)
+    csv_monitor: CSVConfig = doc("CSV file monitor.", default_factory=CSVConfig)
+    comet: CometConfig = doc("Comet monitor.", default_factory=CometConfig)
+
+    @property
+    def monitor_config(self) -> MonitorConfig:
+        """The four monitor sections together (DeepSpeed's ``_config.monitor_config``)."""
+        return MonitorConfig(tensorboard=self.tensorboard, wandb=self.wandb,
+                             csv_monitor=self.csv_monitor, comet=self.comet)
 
     @classmethod
     def prepare(cls, data: dict[str, Any], log: KeyLog) -> dict[str, Any]:
