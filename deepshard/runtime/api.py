@@ -25,6 +25,7 @@ from .allocator import fix_mmap_threshold
 from .build.model import prepare_model, training_device
 from .build.strategy import build_strategy
 from .config import parse_config, with_batch_triad
+from .config.schema_optim import ONEBIT_OPTIMIZERS
 from .distributed import DEFAULT_PORT, init_distributed
 from .engine import DeepShardEngine, EngineParts
 from .loss_scaler import build_loss_scaler
@@ -130,10 +131,30 @@ def _check_combination(cfg, layout, origin: str) -> None:
                          "reduces gradients during each backward, before the tied weights' "
                          "sums", where=f"{origin}: zero_optimization.stage",
                          hint="use ZeRO stage 0 or 1 with pipeline.stages > 1 (as DeepSpeed)")
-    if stage and cfg.optimizer is not None and cfg.optimizer.type == "LAMB":
-        raise UsageError("LAMB cannot run on ZeRO shards: its trust ratio is per parameter, "
-                         "and a shard holds pieces of many", where=f"{origin}: "
-                         "optimizer.type", hint="use Adam/AdamW with ZeRO, or stage 0 for LAMB")
+    if stage and cfg.optimizer is not None and cfg.optimizer.type in ("LAMB", "OneBitLamb"):
+        name = cfg.optimizer.type
+        raise UsageError(f"{name} cannot run on ZeRO shards: its trust ratio is per "
+                         "parameter, and a shard holds pieces of many", where=f"{origin}: "
+                         "optimizer.type", hint=f"use Adam/AdamW with ZeRO, or stage 0 for "
+                                                f"{name}")
+    if cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_OPTIMIZERS:
+        _check_onebit(cfg.optimizer.type, stage, layout, origin)
+
+
+def _check_onebit(name: str, stage: int, layout, origin: str) -> None:
+    """The 1-bit optimizers compress plain data parallelism's momentum exchange: ZeRO
+    stage 0, or 1 for OneBitAdam."""
+    top = 1 if name == "OneBitAdam" else 0
+    if stage > top:
+        raise UsageError(f"{name} at ZeRO stage {stage}", where=f"{origin}: "
+                         "zero_optimization.stage",
+                         hint=f"use stage {'0 or 1' if top else '0'}: {name} exchanges "
+                              "compressed momentum in its own step, where stages 2-3 "
+                              "reduce gradients during backward")
+    if layout is not None:
+        raise UsageError(f"{name} with pipeline or tensor parallelism is not supported",
+                         where=f"{origin}: optimizer.type",
+                         hint="use it with data parallelism only, or Adam/AdamW")
 
 
 def _profiler(cfg, module, rank: int):

@@ -86,14 +86,17 @@ def group_members(cfg, client, source: Sequence[dict], params: Sequence[torch.nn
 
 
 def make_optimizer(cfg, client, source: Sequence[dict],
-                   step_tensors: Sequence[list[torch.Tensor]]) -> torch.optim.Optimizer | None:
+                   step_tensors: Sequence[list[torch.Tensor]],
+                   group=None) -> torch.optim.Optimizer | None:
     """The optimizer over ``step_tensors`` (one list per source group, with that group's
     hyperparameters): built from the config, the client's re-pointed, or what the
-    client's callable builds."""
+    client's callable builds; ``group``: the data-parallel process group (the 1-bit
+    optimizers communicate over it)."""
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(tensors)}
               for g, tensors in zip(source, step_tensors, strict=True)]
     if cfg.optimizer is not None:
-        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params.model_dump(), groups)
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params.model_dump(), groups,
+                               group=group)
     if client is None:
         return None
     if isinstance(client, torch.optim.Optimizer):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import UsageError
 from ..buckets import DEFAULT_BUCKET_BYTES, GradBuckets, plan_buckets
 from ..precision import MasterWeights
 from ..strategy import DataParallelStrategy
+from ..strategy.compressed import CompressedStage0Strategy, communicates_in_step
 from ..strategy.stage0 import Stage0Strategy
 from .optimizer import check_one_optimizer, group_members, make_optimizer, source_groups
 
@@ -36,7 +38,10 @@ def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group
         zero = build_zero(cfg, module, [names[i] for i in kept], [params[i] for i in kept],
                           members, group, world, rank, comm)
         steps = [zero.step_tensors(o) for o in range(len(source))]
-        return zero, make_optimizer(cfg, client, source, steps)
+        optimizer = make_optimizer(cfg, client, source, steps, group)
+        if communicates_in_step(optimizer):
+            _refuse_compressed(cfg, optimizer)
+        return zero, optimizer
     size = params[0].element_size() if params else 4
     # DDP-sized buckets; reduce_bucket_size (DeepSpeed's default 5e8, one bucket for most
     # models: no overlap) is for the ZeRO stages, as in DeepSpeed
@@ -47,4 +52,16 @@ def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group
     masters = MasterWeights(params, layouts) if half and params else None
     tensors = masters.masters if masters is not None else params
     steps = [[tensors[i] for i in m] for m in members]
-    return Stage0Strategy(buckets, masters, names), make_optimizer(cfg, client, source, steps)
+    optimizer = make_optimizer(cfg, client, source, steps, group)
+    if communicates_in_step(optimizer):
+        return CompressedStage0Strategy(buckets, masters, names, optimizer), optimizer
+    return Stage0Strategy(buckets, masters, names), optimizer
+
+
+def _refuse_compressed(cfg, optimizer) -> None:
+    """A client optimizer with the 1-bit protocol (a config's are checked at parse time)."""
+    name = type(optimizer).__name__
+    raise UsageError(f"{name} at ZeRO stage {cfg.zero_optimization.stage}",
+                     where="zero_optimization.stage",
+                     hint=f"{name} communicates its compressed momentum in its own step: "
+                          "use stage 0")

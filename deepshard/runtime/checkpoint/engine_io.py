@@ -166,6 +166,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     with engine.strategy.materialized(engine.optimizer):
         _restore_model(engine, by_name, shared, load_module_strict, load_optimizer,
                        manifest, path)
+        if load_optimizer:
+            _restore_own(engine, path, manifest)
     if not load_module_only:
         _restore_schedule(engine, path, shared, load_lr_scheduler_states)
     engine.strategy.zero_grad()
@@ -199,6 +201,15 @@ def _restore_model(engine, by_name: ByName, shared: dict, strict: bool, load_opt
     missing = ((want - owned) - by_name.present) | strategy.restore(
         engine.optimizer, by_name, load_optimizer, saved_groups)
     check_missing(module, missing, by_name.present - want, strict, manifest, path)
+
+
+def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:
+    """What the strategy wrote in this rank's own file (the 1-bit optimizers' errors), at
+    the data-parallel world size the checkpoint was saved with."""
+    own_file = path / fmt.rank_file(engine.global_rank)
+    own = fmt.load_file(path, own_file.name) if own_file.exists() else {}
+    saved = manifest.layout["data"] if manifest.layout else manifest.world_size
+    engine.strategy.restore_own(engine.optimizer, own.get("zero"), saved)
 
 
 def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool) -> None:

@@ -28,6 +28,8 @@ from deepshard.runtime.config.schema_optim import (
     AdamParams,
     AdamWParams,
     LambParams,
+    OneBitAdamParams,
+    OneBitLambParams,
     OneCycleParams,
     OptimizerConfig,
     OptimizerParams,
@@ -36,6 +38,7 @@ from deepshard.runtime.config.schema_optim import (
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
+    ZeroOneAdamParams,
 )
 from deepshard.runtime.config.schema_zero import (
     OffloadOptimizerConfig,
@@ -56,6 +59,8 @@ __all__ = [
     "LoadedConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "OneBitAdamParams",
+    "OneBitLambParams",
     "OneCycleParams",
     "OptimizerConfig",
     "OptimizerParams",
@@ -66,6 +71,7 @@ __all__ = [
     "WarmupDecayLRParams",
     "WarmupLRParams",
     "ZeroConfig",
+    "ZeroOneAdamParams",
     "load_config",
     "parse_config",
     "read_config_source",

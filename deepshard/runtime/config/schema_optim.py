@@ -111,14 +111,93 @@ class LambParams(OptimizerParams):
         return self
 
 
+CommBackend = Annotated[Literal["nccl", "mpi", "compressed"],
+                        one_of("nccl", "mpi", "compressed", case_insensitive=True)]
+
+
+class OneBitParams(OptimizerParams):
+    """What the 1-bit optimizers share (DeepSpeed's OnebitAdam/ZeroOneAdam/OnebitLamb
+    signatures): their compressed all-reduce runs on the job's data-parallel process group,
+    whatever ``comm_backend_name`` names."""
+
+    betas: Betas = doc("Coefficients of the running averages of the gradient and its "
+                       "square.", default=(0.9, 0.999))
+    eps: NonNegFloat = doc("Term added to the denominator for numerical stability.",
+                           default=1e-8)
+    eps_inside_sqrt: Bool = doc("Add eps inside the square root of the second moment.",
+                                default=False)
+    bias_correction: Bool = doc("Accepted as DeepSpeed's (its 1-bit updates never correct "
+                                "the bias).", default=True)
+    amsgrad: Bool = doc("Must be false: no AMSGrad variant (DeepSpeed rejects it too).",
+                        default=False)
+    cuda_aware: Bool = doc("Accepted for DeepSpeed configs: MPI's CUDA-aware transfers; the "
+                           "process group decides here.", default=False)
+    comm_backend_name: CommBackend = doc(
+        "DeepSpeed's compressed backend: nccl, mpi or compressed; all run on the job's "
+        "process group (gloo or NCCL).", default="nccl")
+
+    @model_validator(mode="after")
+    def _no_amsgrad(self, info: ValidationInfo) -> OneBitParams:
+        if self.amsgrad:
+            raise fail(key_log(info) or KeyLog(), "amsgrad", "the 1-bit optimizers have no "
+                       "AMSGrad variant", "remove amsgrad")
+        return self
+
+
+class OneBitAdamParams(OneBitParams):
+    """``optimizer.params`` of OneBitAdam: Adam for ``freeze_step`` steps, then frozen
+    variance and 1-bit compressed momentum."""
+
+    freeze_step: NonNegInt = doc("Steps of uncompressed Adam before compression starts.",
+                                 default=100000)
+
+
+class ZeroOneAdamParams(OneBitParams):
+    """``optimizer.params`` of ZeroOneAdam (0/1 Adam): adaptive variance freezing and
+    skipped synchronisation rounds."""
+
+    var_freeze_step: NonNegInt = doc("Step after which the variance is never updated "
+                                     "again.", default=100000)
+    var_update_scaler: PosInt = doc("Growth of the interval between variance updates.",
+                                    default=16)
+    local_step_scaler: PosInt = doc("Growth of the interval between synchronisations once "
+                                    "the variance is frozen.", default=32678)
+    local_step_clipper: PosInt = doc("Largest interval between synchronisations (steps).",
+                                     default=16)
+
+
+class OneBitLambParams(OneBitParams):
+    """``optimizer.params`` of OneBitLamb: LAMB for ``freeze_step`` steps, then frozen
+    layer-wise scaling coefficients and 1-bit compressed momentum."""
+
+    freeze_step: NonNegInt = doc("Steps of uncompressed LAMB before compression starts.",
+                                 default=100000)
+    max_coeff: NonNegFloat = doc("Upper bound of the layer-wise trust ratio.", default=10.0)
+    min_coeff: NonNegFloat = doc("Lower bound of the layer-wise trust ratio.", default=0.01)
+    coeff_beta: UnitFloat = doc("Running-average coefficient of the trust ratios during "
+                                "warm-up.", default=0.9)
+    factor_max: NonNegFloat = doc("Upper bound of the compressed phase's scaling factor.",
+                                  default=4.0)
+    factor_min: NonNegFloat = doc("Lower bound of the compressed phase's scaling factor.",
+                                  default=0.5)
+    factor_threshold: NonNegFloat = doc("Largest change of the scaling factor per step.",
+                                        default=0.1)
+
+
 OPTIMIZER_PARAMS: Mapping[str, type[OptimizerParams]] = MappingProxyType({
-    "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams, "LAMB": LambParams})
-"""Supported optimizer types (canonical spelling) and their params models."""
+    "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams, "LAMB": LambParams,
+    "OneBitAdam": OneBitAdamParams, "ZeroOneAdam": ZeroOneAdamParams,
+    "OneBitLamb": OneBitLambParams})
+"""Supported optimizer types (canonical spelling) and their params models; DeepSpeed's
+spellings of the 1-bit ones (``OnebitAdam``, ``onebitlamb``) match in any letter case."""
+
+ONEBIT_OPTIMIZERS = frozenset({"OneBitAdam", "ZeroOneAdam", "OneBitLamb"})
+"""The optimizers that communicate in their own step (compressed): ZeRO stages 0-1."""
 
 # What DeepSpeed accepts as optimizer.type besides the above: its own optimizers
-# (runtime/config.py; the 1-bit ones until 0.19) and any torch.optim class by name.
+# (runtime/config.py) and any torch.optim class by name.
 DEEPSPEED_ONLY_OPTIMIZERS = (
-    "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Lion", "MuAdam", "MuAdamW",
+    "Adagrad", "Lion", "MuAdam", "MuAdamW",
     "MuSGD", "Muon", "ASGD", "Adadelta", "Adafactor", "Adamax", "LBFGS", "NAdam", "RAdam",
     "RMSprop", "Rprop", "SparseAdam")
 
@@ -132,11 +211,14 @@ class OptimizerConfig(Section):
 
     ds_only_keys: ClassVar[frozenset[str]] = frozenset({"legacy_fusion"})
 
-    type: Literal["Adam", "AdamW", "SGD", "LAMB"] = doc(
-        "Optimizer: Adam, AdamW, SGD or LAMB (any letter case; stored as spelled here).")
+    type: Literal["Adam", "AdamW", "SGD", "LAMB", "OneBitAdam", "ZeroOneAdam",
+                  "OneBitLamb"] = doc(
+        "Optimizer: Adam, AdamW, SGD, LAMB, OneBitAdam, ZeroOneAdam or OneBitLamb (any "
+        "letter case; stored as spelled here).")
     params: SerializeAsAny[OptimizerParams] = doc(
         "Hyperparameters, validated by the type's model (AdamParams, AdamWParams, SGDParams, "
-        "LambParams).", default_factory=AdamWParams)
+        "LambParams, OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams).",
+        default_factory=AdamWParams)
 
     @classmethod
     def params_model(cls, given: object) -> type[Section] | None:
@@ -279,7 +361,7 @@ class SchedulerConfig(Section):
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"] = doc(
         "Schedule: WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (case-sensitive, as in "
         "DeepSpeed).")
-    params: SerializeAsAny[Section] = doc(
+    params: SerializeAsAny[OptimizerParams] = doc(
         "Schedule parameters, validated by the type's model (WarmupLRParams, "
         "WarmupDecayLRParams, WarmupCosineLRParams, OneCycleParams).",
         default_factory=WarmupLRParams)

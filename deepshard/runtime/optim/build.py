@@ -56,7 +56,8 @@ ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
 def build_optimizer(
-    type_name: str, params: Mapping[str, object], model_parameters: ParamsT
+    type_name: str, params: Mapping[str, object], model_parameters: ParamsT, *,
+    group: Any = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer a DeepSpeed config's ``optimizer`` section names.
 
@@ -65,9 +66,12 @@ def build_optimizer(
     both are torch's. Parameters all on CPU or CUDA with float dtypes get torch's fused kernel.
 
     Args:
-        type_name: ``Adam``, ``AdamW``, ``SGD`` or ``LAMB`` (canonical spelling).
+        type_name: ``Adam``, ``AdamW``, ``SGD``, ``LAMB``, ``OneBitAdam``, ``ZeroOneAdam``
+            or ``OneBitLamb`` (canonical spelling).
         params: the section's ``params``; keys left out take DeepSpeed's defaults.
         model_parameters: tensors, or param-group dicts as torch optimizers accept them.
+        group: the data-parallel process group the 1-bit optimizers (``OneBitAdam``,
+            ``ZeroOneAdam``, ``OneBitLamb``) communicate over (``None``: the default group).
 
     Raises:
         UsageError: an unknown type or parameter, a setting torch cannot express
@@ -76,16 +80,18 @@ def build_optimizer(
         ValueError: ``model_parameters`` is empty.
     """
     builder = _BUILDERS.get(type_name)
-    if builder is None:
+    if builder is None and type_name not in _ONEBIT:
         raise UsageError(
             f"unknown optimizer type {type_name!r}",
             where="optimizer.type",
-            hint=f"use one of {', '.join(_BUILDERS)}",
+            hint=f"use one of {', '.join([*_BUILDERS, *_ONEBIT])}",
         )
     groups = _materialise(model_parameters)
     if not _all_tensors(groups):
         raise ValueError("model_parameters holds no parameters to optimise")
     try:
+        if builder is None:
+            return _onebit(type_name, params, groups, group)
         return builder(type_name, params, groups)
     except ValueError as err:
         raise UsageError(f"{type_name}: {err}", where="optimizer.params") from err
@@ -205,6 +211,22 @@ def _lamb(type_name: str, params: Mapping[str, object], groups: list[Any]) -> to
         return FusedLamb(groups, **s)
     return Lamb(groups, **s)
 
+
+def _onebit(type_name: str, params: Mapping[str, object], groups: list[Any],
+            group: Any) -> torch.optim.Optimizer:
+    """DeepSpeed's 1-bit optimizers, over the data-parallel group: the config's params are
+    their constructors' keyword arguments (the schema filled DeepSpeed's defaults)."""
+    module_name, class_name = _ONEBIT[type_name]
+    module = importlib.import_module(f"{__package__}.onebit.{module_name}")
+    s = {k: (tuple(v) if k == "betas" else v) for k, v in params.items()}
+    return getattr(module, class_name)(groups, **s, group=group)
+
+
+_ONEBIT: Mapping[str, tuple[str, str]] = {
+    "OneBitAdam": ("adam", "OneBitAdam"),
+    "ZeroOneAdam": ("zoadam", "ZeroOneAdam"),
+    "OneBitLamb": ("lamb", "OneBitLamb"),
+}
 
 _BUILDERS: Mapping[str, Callable[[str, Mapping[str, object], list[Any]], torch.optim.Optimizer]] = {
     "Adam": _adam,

@@ -156,6 +156,13 @@ class DataParallelStrategy(ABC):
         """What this rank alone writes (its shards), or ``None``; ``exclude_frozen``:
         without frozen parameters."""
 
+    def restore_own(self, optimizer: torch.optim.Optimizer | None, payload: object | None,
+                    saved_world: int) -> None:
+        """Take back what :meth:`rank_payload` wrote for this rank (``None``: no such file,
+        or it held nothing) in a checkpoint saved by ``saved_world`` data-parallel ranks;
+        the ZeRO stages read their shards by name instead (:meth:`restore`)."""
+        del optimizer, payload, saved_world
+
     def needed(self) -> object | None:
         """Which names this rank takes from a checkpoint
         (:class:`deepshard.runtime.checkpoint.by_name.Needed`); ``None``: all."""
