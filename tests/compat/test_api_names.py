@@ -26,6 +26,10 @@ NAMES = [
     "runtime.zero.partition_parameters.ZeroParamStatus", "runtime.lr_schedules.WarmupLR",
     "runtime.lr_schedules.VALID_LR_SCHEDULES", "checkpoint.utils.clone_tensors_for_torch_save",
     "moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "monitor.monitor.MonitorMaster", "monitor.monitor.Monitor", "monitor.csv_monitor.csvMonitor",
+    "monitor.tensorboard.TensorBoardMonitor", "monitor.wandb.WandbMonitor",
+    "monitor.comet.CometMonitor", "monitor.config.get_monitor_config",
+    "monitor.config.DeepSpeedMonitorConfig",
 ]
 
 PROBE = """

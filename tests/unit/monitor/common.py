@@ -1,6 +1,6 @@
 """What the monitor tests share: run a Python snippet in a fresh interpreter (wandb and
-comet keep process-wide state and start helper processes), and find the processes it
-left behind."""
+comet keep process-wide state and start helper processes), find the processes it left
+behind, and read TensorBoard event files with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -46,3 +46,13 @@ def processes_left(cwd: Path, wait: float = 5.0) -> list[tuple[int, str]]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in ``log_dir``'s event files, by tag: (step, value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]}

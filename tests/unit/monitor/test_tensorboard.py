@@ -8,19 +8,9 @@ import pytest
 
 from deepshard.monitor.config import get_monitor_config
 from deepshard.monitor.monitor import MonitorMaster
-from tests.unit.monitor.common import run_python
+from tests.unit.monitor.common import read_scalars, run_python
 
 pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
-
-
-def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series in ``log_dir``'s event files, by tag: (step, value)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
-            for tag in acc.Tags()["scalars"]}
 
 
 def test_events_read_back_with_tensorboards_reader(tmp_path):
