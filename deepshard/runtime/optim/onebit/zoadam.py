@@ -1,0 +1,429 @@
+"""0/1 Adam (https://arxiv.org/abs/2202.06009) with DeepSpeed ``ZeroOneAdam``'s update rules.
+
+DeepSpeed removed its 1-bit optimizers; configs naming ``ZeroOneAdam`` must still train the
+same way here. Differences from DeepSpeed's code are in the plumbing, not the arithmetic: all
+parameters travel in ONE flat padded fp32 buffer per step (one compressed all-reduce per step,
+where DeepSpeed made one per parameter), the optimizer does its own uncompressed all-reduce at
+variance-update steps (DeepSpeed toggled the engine's), and per-rank buffers live outside
+``self.state``. :class:`FlatParams` (the flat layout) is shared with 1-bit LAMB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: DeepSpeed's engine runs one zero-gradient ``step()`` (its "initialization step", which
+#: only allocates buffers) before training, and that step advances every 1-bit optimizer's
+#: step counter. Its schedules are written against that counter, so here the k-th update is
+#: scheduled as DeepSpeed's counter value ``k + DEEPSPEED_INIT_STEPS``; ``state["step"]``
+#: itself counts real updates.
+DEEPSPEED_INIT_STEPS = 1
+
+
+class FlatParams:
+    """The trainable parameters of some param groups laid end to end, group after group,
+    in fp32 buffers of ``padded`` elements (``numel`` used, the rest padding)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], padded_numel: Callable[[int], int]):
+        self.entries: list[tuple[int, torch.Tensor, int]] = []  # (group index, param, offset)
+        self.group_ranges: list[tuple[int, int]] = []
+        offset = 0
+        for index, group in enumerate(param_groups):
+            start = offset
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.entries.append((index, p, offset))
+                    offset += p.numel()
+            self.group_ranges.append((start, offset))
+        self.numel = offset
+        self.padded = padded_numel(offset)
+        self.device = self.entries[0][1].device if self.entries else torch.device("cpu")
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+
+    def view(self, flat: torch.Tensor, entry: int) -> torch.Tensor:
+        """``flat``'s slice for entry ``entry``, shaped like its parameter."""
+        _, p, offset = self.entries[entry]
+        return flat[offset:offset + p.numel()].view(p.shape)
+
+    def group_slice(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        start, end = self.group_ranges[index]
+        return flat[start:end]
+
+    def in_group(self, index: int) -> list[int]:
+        return [i for i, (g, _, _) in enumerate(self.entries) if g == index]
+
+    def gather_grads(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy every parameter's gradient into ``out`` (a missing gradient counts as zeros,
+        so that all ranks send the same layout); the padding is zeroed."""
+        out.zero_()
+        for i, (_, p, _) in enumerate(self.entries):
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError("1-bit optimizers do not support sparse gradients")
+                self.view(out, i).copy_(p.grad)
+        return out
+
+    def attach(self, states: list[dict[str, Any]], key: str, flat: torch.Tensor) -> None:
+        """Make ``states[i][key]`` a view of ``flat``, copying in what it held before."""
+        for i, state in enumerate(states):
+            view = self.view(flat, i)
+            if key in state:
+                view.copy_(state[key])
+            state[key] = view
+
+
+def apply_masks(flat: FlatParams, buffer: torch.Tensor, param_groups: list[dict]) -> None:
+    """Multiply each parameter's slice of ``buffer`` by its group's ``exp_avg_mask`` (a tensor
+    broadcastable to every parameter of the group), as DeepSpeed does to the momentum."""
+    for index, group in enumerate(param_groups):
+        if "exp_avg_mask" not in group:
+            continue
+        if group["exp_avg_mask"].device != buffer.device:
+            group["exp_avg_mask"] = group["exp_avg_mask"].to(device=buffer.device)
+        for i in flat.in_group(index):
+            flat.view(buffer, i).mul_(group["exp_avg_mask"])
+
+
+def keep_current_masks(param_groups: list[dict], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's rule on load: the masks the script gave win over the checkpoint's (a
+    shallow copy of ``state_dict``; a group count that differs is left for torch to refuse)."""
+    saved_groups = [dict(saved) for saved in state_dict["param_groups"]]
+    for group, saved in zip(param_groups, saved_groups, strict=False):
+        if "exp_avg_mask" in group:
+            saved["exp_avg_mask"] = group["exp_avg_mask"]
+        else:
+            saved.pop("exp_avg_mask", None)
+    return {**state_dict, "param_groups": saved_groups}
+
+
+def ring_allreduce_bytes(numel: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` fp32 elements."""
+    return 0 if world <= 1 else 2 * (world - 1) * numel * 4 // world
+
+
+def check_common(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 amsgrad: bool, name: str) -> None:
+    if amsgrad:
+        raise ValueError(f"{name} does not support the AMSGrad variant. HINT: set amsgrad "
+                         "to false (or leave it out)")
+    if lr < 0:
+        raise ValueError(f"{name}: lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {betas}")
+    if eps < 0 or weight_decay < 0:
+        raise ValueError(f"{name}: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+
+
+@dataclass
+class ZeroOneSchedule:
+    """0/1 Adam's two policies, on DeepSpeed's step counter ``t`` (see
+    :data:`DEEPSPEED_INIT_STEPS`).
+
+    * Variance: while not frozen, step ``t`` updates the variance (with an uncompressed
+      all-reduce of the gradient) when ``t % var_interval == 0``; every such step counts, and
+      after ``var_update_scaler`` of them ``var_interval`` doubles. After a step with
+      ``t > var_freeze_step`` the variance is frozen for good.
+    * Local steps (frozen only): step ``t`` synchronises when ``t % local_step_interval == 0``;
+      every frozen step counts, and after ``local_step_scaler`` of them the interval doubles,
+      up to ``local_step_clipper``.
+    """
+
+    var_interval: int = 1
+    var_counter: int = 0
+    local_step_interval: int = 1
+    local_step_counter: int = 0
+
+    def variance_step(self, t: int) -> bool:
+        return t % self.var_interval == 0
+
+    def sync_step(self, t: int) -> bool:
+        return t % self.local_step_interval == 0
+
+    def advance(self, t: int, frozen: bool, opt: ZeroOneAdam) -> None:
+        """The counters after step ``t`` (DeepSpeed's end-of-step bookkeeping)."""
+        if not frozen:
+            if t % self.var_interval == 0:
+                self.var_counter += 1
+                if self.var_counter == opt.var_update_scaler:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+        else:
+            self.local_step_counter += 1
+            if self.local_step_counter == opt.local_step_scaler:
+                self.local_step_counter = 0
+                self.local_step_interval = min(opt.local_step_clipper,
+                                               self.local_step_interval * 2)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(var_interval=self.var_interval, var_counter=self.var_counter,
+                    local_step_interval=self.local_step_interval,
+                    local_step_counter=self.local_step_counter)
+
+
+class ZeroOneAdam(torch.optim.Optimizer):
+    """0/1 Adam as DeepSpeed's ``ZeroOneAdam`` computes it, on a torch.distributed group.
+
+    With ``t = step + 1`` (DeepSpeed's counter, see :data:`DEEPSPEED_INIT_STEPS`), ``g`` this
+    rank's gradient, ``C(x)`` the compressed average over ranks with error feedback
+    (:class:`~deepshard.runtime.optim.onebit.compressed.CompressedAllreduce`), ``A(x)`` the
+    exact average, ``d = sqrt(v) + eps`` and ``upd = m / d + weight_decay * p``:
+
+    * variance phase (until the step after ``t > var_freeze_step``), see
+      :class:`ZeroOneSchedule`: at variance steps ``g = A(g)``, ``v = b2 v + (1-b2) g^2``,
+      ``m = b1 m + (1-b1) g``; at the others ``m = b1 m + (1-b1) mask * C(g)``; then
+      ``p -= lr * upd``.
+    * frozen phase (the errors are zeroed on entry): ``m = b1 m + (1-b1) g`` locally,
+      ``lrs += lr``, ``p -= lr * upd``, ``u -= lr * upd``; at sync steps ``p -= u``,
+      ``u = mask * C(u * d)``, ``m = -u / lrs``, ``p += u / d``, then ``u = 0``, ``lrs = 0``.
+
+    No bias correction; ``bias_correction``, ``eps_inside_sqrt``, ``max_grad_norm``,
+    ``cuda_aware``, ``comm_backend_name`` and ``deepspeed`` are accepted for DeepSpeed's
+    configs and ignored, as there. A parameter without a gradient counts as a zero gradient.
+    On one rank no compression happens (the average of one buffer is itself).
+
+    **Parameters across ranks.** In the variance phase, and in the frozen phase after each
+    sync step, every rank holds the same ``m``, ``v`` and parameters (up to rounding: ``p - u``
+    restores the synchronised value only to within an ulp, as in DeepSpeed). Between syncs
+    (frozen phase, ``local_step_interval > 1``) each rank's parameters and ``exp_avg`` follow
+    its own gradients: :meth:`params_in_sync` says which is the case after the last step;
+    checkpoint rank 0's parameters at such points only.
+
+    Engine protocol: :meth:`communicates_next_step` is always True (step() does all of its own
+    communication and wants this rank's local average gradient); ``state_dict()`` holds only
+    shared state (``step``, ``exp_avg``, ``exp_avg_sq`` and the schedule counters per
+    parameter); :meth:`error_state` / :meth:`load_error_state` carry the per-rank buffers
+    (``worker_error``, ``server_error``, ``momentum_accumulator`` ``u``, ``lrs``);
+    :attr:`last_bytes_sent` is what this rank sent in its last step. ``amsgrad=True`` is a
+    ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        deepspeed: Any = None,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_common(lr, betas, eps, weight_decay, amsgrad, "0/1 Adam")
+        for name, value in (("var_update_scaler", var_update_scaler),
+                            ("local_step_scaler", local_step_scaler),
+                            ("local_step_clipper", local_step_clipper)):
+            if int(value) < 1:
+                raise ValueError(f"0/1 Adam: {name} must be >= 1, got {value}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+        self.deepspeed = deepspeed
+        self.eps_inside_sqrt = eps_inside_sqrt
+        self.var_freeze_step = int(var_freeze_step)
+        self.var_update_scaler = int(var_update_scaler)
+        self.local_step_scaler = int(local_step_scaler)
+        self.local_step_clipper = int(local_step_clipper)
+        self.cuda_aware = cuda_aware
+        self.comm_backend_name = comm_backend_name
+        self.group = group
+        self.last_bytes_sent = 0
+        self._flat: FlatParams | None = None
+        self._local: dict[str, torch.Tensor] = {}
+        self._in_sync = True
+
+    # ---- the engine protocol ----
+
+    def communicates_next_step(self) -> bool:
+        """Always True: every step does its own (compressed or exact) all-reduce."""
+        return True
+
+    def params_in_sync(self) -> bool:
+        """Whether every rank held the same parameters after the last step (False only
+        between the syncs of the frozen phase)."""
+        return self._in_sync
+
+    def error_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own buffers: compression errors, ``momentum_accumulator`` and ``lrs``
+        (one entry per param group)."""
+        self._ensure_built()
+        return dict(self._local)
+
+    def load_error_state(self, errors: dict[str, torch.Tensor] | None) -> None:
+        """Restore :meth:`error_state`'s buffers; None, or a missing or mismatched entry,
+        resets them all to zeros."""
+        self._ensure_built()
+        ok = errors is not None and set(errors) == set(self._local) and all(
+            errors[k].shape == v.shape for k, v in self._local.items())
+        for key, buffer in self._local.items():
+            if ok:
+                buffer.copy_(errors[key])
+            else:
+                buffer.zero_()
+
+    # ---- state ----
+
+    def _ensure_built(self) -> None:
+        if self._flat is not None:
+            return
+        from .compressed import CompressedAllreduce
+
+        self._comm = CompressedAllreduce(group=self.group)
+        self._world = dist.get_world_size(self.group)
+        flat = FlatParams(self.param_groups, self._comm.padded_numel)
+        states = [self.state[p] for _, p, _ in flat.entries]
+        for state in states:
+            state.setdefault("step", 0)
+            for key, value in ZeroOneSchedule().as_dict().items():
+                state.setdefault(key, value)
+        self._m, self._v = flat.zeros(), flat.zeros()
+        flat.attach(states, "exp_avg", self._m)
+        flat.attach(states, "exp_avg_sq", self._v)
+        self._buffer = flat.zeros()
+        worker, server = self._comm.new_errors(flat.padded, flat.device)
+        self._local = {"worker_error": worker, "server_error": server,
+                       "momentum_accumulator": flat.zeros(),
+                       "lrs": torch.zeros(len(self.param_groups), dtype=torch.float64)}
+        self._flat = flat
+
+    def _first_state(self) -> dict[str, Any]:
+        return self.state[self._flat.entries[0][1]]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load shared state (the script's ``exp_avg_mask`` wins over the checkpoint's, as in
+        DeepSpeed) and rebuild the flat buffers from it; per-rank buffers are reset (load
+        them with :meth:`load_error_state`)."""
+        super().load_state_dict(keep_current_masks(self.param_groups, state_dict))
+        self._flat = None
+        self._ensure_built()
+        self._in_sync = True
+
+    # ---- the step ----
+
+    def frozen(self, k: int) -> bool:
+        """Whether update number ``k`` (1-based) runs with the variance frozen: DeepSpeed
+        freezes after a step whose counter exceeds ``var_freeze_step`` (never after its
+        initialization step)."""
+        return k > max(self.var_freeze_step, DEEPSPEED_INIT_STEPS)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One 0/1 Adam update (see the class docstring); returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_built()
+        flat, first = self._flat, self._first_state()
+        k = first["step"] + 1
+        t = k + DEEPSPEED_INIT_STEPS
+        schedule = ZeroOneSchedule(**{key: first[key] for key in ZeroOneSchedule().as_dict()})
+        frozen = self.frozen(k)
+        grads = flat.gather_grads(self._buffer)
+        self.last_bytes_sent = 0
+        if not frozen:
+            self._variance_phase(grads, schedule.variance_step(t))
+            self._in_sync = True
+        else:
+            if not self.frozen(k - 1):  # DeepSpeed zeroes the errors on entering this phase
+                self._local["worker_error"].zero_()
+                self._local["server_error"].zero_()
+            self._frozen_phase(grads, schedule.sync_step(t))
+        schedule.advance(t, frozen, self)
+        for _, p, _ in flat.entries:
+            self.state[p].update(step=k, **schedule.as_dict())
+        return loss
+
+    def _compressed(self, buffer: torch.Tensor) -> None:
+        """``buffer`` becomes the compressed average over ranks (nothing on one rank)."""
+        if self._world > 1:
+            self._comm(buffer, self._local["worker_error"], self._local["server_error"])
+            self.last_bytes_sent += self._comm.last_bytes_sent
+
+    def _variance_phase(self, grads: torch.Tensor, variance_step: bool) -> None:
+        flat = self._flat
+        if variance_step:
+            if self._world > 1:
+                used = grads[:flat.numel]
+                dist.all_reduce(used, group=self.group)
+                used.div_(self._world)
+                self.last_bytes_sent += ring_allreduce_bytes(flat.numel, self._world)
+        else:
+            self._compressed(grads)
+            apply_masks(flat, grads, self.param_groups)
+        for index, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            g = flat.group_slice(grads, index)
+            if variance_step:
+                flat.group_slice(self._v, index).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            flat.group_slice(self._m, index).mul_(beta1).add_(g, alpha=1 - beta1)
+        self._apply_updates(None)
+
+    def _denominators(self) -> torch.Tensor:
+        """``sqrt(v) + eps``, flat, with each group's eps (padding: 1)."""
+        denom = self._v.sqrt()
+        denom[self._flat.numel:] = 1.0
+        for index, group in enumerate(self.param_groups):
+            self._flat.group_slice(denom, index).add_(group["eps"])
+        return denom
+
+    def _apply_updates(self, accumulator: torch.Tensor | None) -> None:
+        """``p -= lr * upd`` for every parameter (and ``u -= lr * upd`` into
+        ``accumulator``), ``upd = m / (sqrt(v) + eps) + weight_decay * p``."""
+        flat = self._flat
+        update = self._m / self._denominators()
+        for i, (index, p, _) in enumerate(flat.entries):
+            group = self.param_groups[index]
+            view = flat.view(update, i)
+            if group["weight_decay"] > 0.0:
+                view.add_(group["weight_decay"] * p.detach().float())
+            view.mul_(-group["lr"])
+            p.add_(view.to(p.dtype))
+        if accumulator is not None:
+            accumulator[:flat.numel].add_(update[:flat.numel])
+
+    def _frozen_phase(self, grads: torch.Tensor, sync: bool) -> None:
+        flat, u, lrs = self._flat, self._local["momentum_accumulator"], self._local["lrs"]
+        for index, group in enumerate(self.param_groups):
+            beta1 = group["betas"][0]
+            m = flat.group_slice(self._m, index)
+            m.mul_(beta1).add_(flat.group_slice(grads, index), alpha=1 - beta1)
+            lrs[index] += group["lr"]
+        self._apply_updates(u)
+        self._in_sync = sync
+        if not sync:
+            return
+        for i, (_, p, _) in enumerate(flat.entries):
+            p.sub_(flat.view(u, i).to(p.dtype))
+        denom = self._denominators()
+        u.mul_(denom)
+        self._compressed(u)
+        apply_masks(flat, u, self.param_groups)
+        for index in range(len(self.param_groups)):
+            total = float(lrs[index])
+            m = flat.group_slice(self._m, index)
+            if total > 0:
+                torch.div(flat.group_slice(u, index), -total, out=m)
+            else:  # lr 0 throughout the interval: DeepSpeed would divide by zero
+                m.zero_()
+        u.div_(denom)
+        for i, (_, p, _) in enumerate(flat.entries):
+            p.add_(flat.view(u, i).to(p.dtype))
+        u.zero_()
+        lrs.zero_()
