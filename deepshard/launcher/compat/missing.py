@@ -106,9 +106,6 @@ MODULES: dict[str, Missing] = {
     "deepspeed.runtime.fp16": Missing("DeepSpeed's fp16 optimizer wrappers",
                                       "set fp16.enabled in the config: deepspeed.initialize "
                                       "wraps the optimizer and scales the loss"),
-    "deepspeed.runtime.fp16.onebit": Missing(
-        "1-bit Adam/LAMB and 0/1 Adam",
-        "no deepshard optimizer; use optimizer.type Adam or LAMB in the config"),
     "deepspeed.runtime.bf16_optimizer": Missing("BF16_Optimizer",
                                                 "set bf16.enabled in the config"),
     "deepspeed.runtime.comm": Missing("the compressed-communication backends",

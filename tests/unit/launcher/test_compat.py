@@ -242,8 +242,8 @@ def test_target_names():
 def test_lookup_takes_the_longest_listed_prefix():
     assert lookup("deepspeed.ops.transformer.inference") is MODULES["deepspeed.ops.transformer"]
     assert lookup("deepspeed.ops.lamb.fused") is MODULES["deepspeed.ops"]
-    assert lookup("deepspeed.runtime.fp16.onebit.adam") is MODULES[
-        "deepspeed.runtime.fp16.onebit"]
+    assert lookup("deepspeed.runtime.fp16.fused_optimizer") is MODULES[
+        "deepspeed.runtime.fp16"]
     assert lookup("deepspeed.opsx") is None
     assert lookup("deepspeed") is None
 

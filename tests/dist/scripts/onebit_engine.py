@@ -1,0 +1,120 @@
+"""1-bit Adam through the engine (``deepshard.initialize`` with ``OneBitAdam`` in the
+config) against the same optimizer class driven by hand, on N gloo ranks; reports
+``RESULT <json>``.
+
+Usage: ``onebit_engine.py <checkpoint dir> <mode>``:
+- ``train``: 6 steps, freeze_step 2. The reference: plain torch autograd on this rank's
+  half of the batch; the gradients all-reduced (averaged) by hand in the warm-up, left
+  local in the compressed phase, then ``OneBitAdam.step()``. Reports the largest weight
+  difference per step, the bytes of ``all_reduce`` per step (the dense reduction must stop
+  once compression starts) and the optimizer's own bytes; saves a checkpoint after step 4
+  and checks that a fresh engine loading it continues exactly (error buffers restored).
+- ``resume``: loads that checkpoint at whatever world size this run has and trains 2 steps
+  (another world size: the error buffers start from zero, with one log line).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import deepshard
+
+GLOBAL, STEPS, FREEZE, LR, SAVE_AT = 8, 6, 2, 1e-2, 4
+CONFIG = {"train_batch_size": GLOBAL, "steps_per_print": 1000, "gradient_clipping": 0.0,
+          "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": FREEZE,
+                                                         "weight_decay": 0.01}}}
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 3))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of global batch ``step``."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(GLOBAL, 6, generator=g), torch.randn(GLOBAL, 3, generator=g)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    part = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
+    return x[part], y[part]
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+class AllReduceBytes:
+    """Counts the bytes torch.distributed.all_reduce is given (the engine's dense
+    gradient reduction, and the norm's scalar)."""
+
+    def __init__(self):
+        self.bytes, self._real = 0, dist.all_reduce
+        dist.all_reduce = self
+
+    def __call__(self, tensor, *args, **kwargs):
+        self.bytes += tensor.numel() * tensor.element_size()
+        return self._real(tensor, *args, **kwargs)
+
+
+def engine_step(engine, step: int) -> None:
+    x, y = batch(step)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+
+
+def reference_step(model, opt, step: int) -> None:
+    x, y = batch(step)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if not opt.communicates_next_step():  # the warm-up: data-parallel average
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+    opt.step()
+
+
+def train(ckpt: str) -> dict:
+    from deepshard.runtime.optim.onebit.adam import OneBitAdam
+
+    counter = AllReduceBytes()
+    engine, *_ = deepshard.initialize(model=mlp(), config=CONFIG)
+    ref = mlp()
+    ref_opt = OneBitAdam(ref.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=0.01)
+    diffs, dense, own = [], [], []
+    for step in range(STEPS):
+        before = counter.bytes
+        engine_step(engine, step)
+        dense.append(counter.bytes - before)
+        own.append(engine.optimizer.last_bytes_sent)
+        reference_step(ref, ref_opt, step)
+        diffs.append(float((flat(engine.module) - flat(ref)).abs().max()))
+        if step + 1 == SAVE_AT:
+            engine.save_checkpoint(ckpt, tag="at4")
+    final = flat(engine.module)
+    again, *_ = deepshard.initialize(model=mlp(), config=CONFIG)
+    again.load_checkpoint(ckpt, tag="at4")
+    for step in range(SAVE_AT, STEPS):
+        engine_step(again, step)
+    return {"diffs": diffs, "dense_bytes": dense, "optimizer_bytes": own,
+            "numel": final.numel(), "resumed_diff": float((flat(again.module) - final)
+                                                         .abs().max())}
+
+
+def resume(ckpt: str) -> dict:
+    engine, *_ = deepshard.initialize(model=mlp(), config=CONFIG)
+    engine.load_checkpoint(ckpt, tag="at4")
+    for step in range(SAVE_AT, STEPS):
+        engine_step(engine, step)
+    return {"steps": engine.global_steps, "finite": bool(flat(engine.module).isfinite().all())}
+
+
+if __name__ == "__main__":
+    deepshard.init_distributed(verbose=False)
+    where, mode = sys.argv[-2:]  # after the --local_rank=N ds-run passes first
+    out = train(where) if mode == "train" else resume(where)
+    print("RESULT", json.dumps({"rank": dist.get_rank(), **out}), flush=True)
