@@ -33,3 +33,13 @@ def test_engine_one_bit_adam_equals_the_optimizer_by_hand_and_resumes(tmp_path):
     assert r["steps"] == 6 and r["finite"]
     assert "saved by 2 ranks, this job has 1: worker and server errors start from zero" in \
         one.stdout + one.stderr
+
+
+def test_zero_stage1_one_bit_adam_equals_its_simulation_and_resumes(tmp_path):
+    result = run_ds("--num_gpus", "2", SCRIPT, str(tmp_path), "zero1", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = tagged_json(result.stdout, "RESULT")
+    assert sorted(reports) == [0, 1]
+    for _, r in reports.values():
+        assert max(r["diffs"]) < 1e-5, r["diffs"]
+        assert r["resumed_diff"] == 0.0

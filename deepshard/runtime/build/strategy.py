@@ -40,7 +40,7 @@ def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group
         steps = [zero.step_tensors(o) for o in range(len(source))]
         optimizer = make_optimizer(cfg, client, source, steps, group)
         if communicates_in_step(optimizer):
-            _refuse_compressed(cfg, optimizer)
+            return _compressed_zero(cfg, zero, optimizer), optimizer
         return zero, optimizer
     size = params[0].element_size() if params else 4
     # DDP-sized buckets; reduce_bucket_size (DeepSpeed's default 5e8, one bucket for most
@@ -58,10 +58,20 @@ def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group
     return Stage0Strategy(buckets, masters, names), optimizer
 
 
-def _refuse_compressed(cfg, optimizer) -> None:
-    """A client optimizer with the 1-bit protocol (a config's are checked at parse time)."""
-    name = type(optimizer).__name__
-    raise UsageError(f"{name} at ZeRO stage {cfg.zero_optimization.stage}",
-                     where="zero_optimization.stage",
-                     hint=f"{name} communicates its compressed momentum in its own step: "
-                          "use stage 0")
+def _compressed_zero(cfg, zero, optimizer) -> DataParallelStrategy:
+    """ZeRO stage 1 exchanging 1-bit Adam's compressed momentum; other stages, or another
+    optimizer with the 1-bit protocol (a client's: a config's are checked when parsed),
+    are refused."""
+    from ..optim.onebit.adam import OneBitAdam
+    from ..zero.onebit import OneBitZeroStrategy
+
+    name, stage = type(optimizer).__name__, cfg.zero_optimization.stage
+    if stage != 1 or not isinstance(optimizer, OneBitAdam):
+        raise UsageError(f"{name} at ZeRO stage {stage}", where="zero_optimization.stage",
+                         hint=f"{name} communicates its compressed momentum in its own "
+                              "step: use stage 0 (OneBitAdam: 0 or 1)")
+    try:
+        return OneBitZeroStrategy.over(zero, optimizer)
+    except ValueError as err:
+        raise UsageError(str(err), where="optimizer param groups",
+                         hint="drop exp_avg_mask, or use zero_optimization.stage 0") from err

@@ -48,6 +48,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         payload = strategy.rank_payload(engine.optimizer, exclude)
         if payload is not None:
             own["zero"] = payload
+        extra = strategy.own_state(engine.optimizer)
+        if extra is not None:
+            own["strategy"] = extra
         rank0 = engine.global_rank == 0
         model = _model_state(engine, exclude) if rank0 or topology is not None else None
         if topology is not None:  # every rank holds another part of the model
@@ -204,12 +207,12 @@ def _restore_model(engine, by_name: ByName, shared: dict, strict: bool, load_opt
 
 
 def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:
-    """What the strategy wrote in this rank's own file (the 1-bit optimizers' errors), at
+    """What the strategy kept in this rank's own file (the 1-bit optimizers' errors), for
     the data-parallel world size the checkpoint was saved with."""
     own_file = path / fmt.rank_file(engine.global_rank)
     own = fmt.load_file(path, own_file.name) if own_file.exists() else {}
     saved = manifest.layout["data"] if manifest.layout else manifest.world_size
-    engine.strategy.restore_own(engine.optimizer, own.get("zero"), saved)
+    engine.strategy.restore_own(engine.optimizer, own.get("strategy"), saved)
 
 
 def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool) -> None:

@@ -156,11 +156,17 @@ class DataParallelStrategy(ABC):
         """What this rank alone writes (its shards), or ``None``; ``exclude_frozen``:
         without frozen parameters."""
 
+    def own_state(self, optimizer: torch.optim.Optimizer | None) -> object | None:
+        """What only this rank has besides its shards (the 1-bit optimizers' compression
+        errors), for its own checkpoint file; ``None``: nothing."""
+        del optimizer
+        return None
+
     def restore_own(self, optimizer: torch.optim.Optimizer | None, payload: object | None,
                     saved_world: int) -> None:
-        """Take back what :meth:`rank_payload` wrote for this rank (``None``: no such file,
-        or it held nothing) in a checkpoint saved by ``saved_world`` data-parallel ranks;
-        the ZeRO stages read their shards by name instead (:meth:`restore`)."""
+        """Take back what :meth:`own_state` wrote for this rank (``None``: no such file,
+        or it held nothing) in a checkpoint saved by ``saved_world`` data-parallel ranks
+        (called after :meth:`restore`)."""
         del optimizer, payload, saved_world
 
     def needed(self) -> object | None:

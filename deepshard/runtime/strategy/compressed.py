@@ -82,7 +82,7 @@ class CompressedStage0Strategy(Stage0Strategy):
         return (sq / self.world).sqrt()
 
     # -- checkpoints ------------------------------------------------------------------
-    def rank_payload(self, optimizer, exclude_frozen: bool = False) -> dict:
+    def own_state(self, optimizer) -> dict:
         return {"onebit_errors": self.optimizer.error_state(), "world": self.world}
 
     def restore_own(self, optimizer, payload: object | None, saved_world: int) -> None:

@@ -9,7 +9,10 @@ Usage: ``onebit_engine.py <checkpoint dir> <mode>``:
   difference per step, the bytes of ``all_reduce`` per step (the dense reduction must stop
   once compression starts) and the optimizer's own bytes; saves a checkpoint after step 4
   and checks that a fresh engine loading it continues exactly (error buffers restored).
-- ``resume``: loads that checkpoint at whatever world size this run has and trains 2 steps
+- ``zero1``: the same config at ZeRO stage 1 against a plain-torch simulation of its 1-bit
+  exchange (:mod:`deepshard.runtime.zero.onebit`) over every rank's gradients, and the
+  same exact continuation from a checkpoint (local momenta and errors restored);
+- ``resume``: loads the ``train`` checkpoint at whatever world size this run has and trains 2 steps
   (another world size: the error buffers start from zero, with one log line).
 """
 
@@ -105,6 +108,78 @@ def train(ckpt: str) -> dict:
                                                          .abs().max())}
 
 
+def zero1_reference(order: list[int]) -> list[torch.Tensor]:
+    """ZeRO stage 1's 1-bit Adam (``deepshard.runtime.zero.onebit``) on every rank's
+    gradients at once, in plain torch: the weights after each step, flattened in ``order``
+    (the flat group's: the chunks each rank owns are its slices of that buffer)."""
+    from deepshard.runtime.optim.onebit.compressed import compress_rows, decompress_rows
+
+    model, world = mlp(), dist.get_world_size()
+    params = [list(model.parameters())[i] for i in order]
+    n = sum(p.numel() for p in params)
+    shard = -(-n // world)
+    m, v = torch.zeros(n), torch.zeros(n)
+    local = errors = None
+    out = []
+    for step in range(STEPS):
+        grads = torch.stack([rank_grad(model, params, step, r, world)
+                             for r in range(world)])
+        if step < FREEZE:  # Adam, no bias correction, on the average
+            g = grads.mean(0)
+            m.mul_(0.9).add_(g, alpha=1 - 0.9)  # the optimizer's very operations:
+            v.mul_(0.999).addcmul_(g, g, value=1 - 0.999)  # a flipped sign bit shows
+        else:
+            if local is None:
+                local, errors = m.repeat(world, 1), torch.zeros(world, n)
+            local.mul_(0.9).add_(grads, alpha=1 - 0.9)
+            rows = torch.zeros(world, world * shard)
+            rows[:, :n] = local + errors
+            sent = []
+            for r in range(world):  # each rank compresses its chunks, one per owner
+                x = torch.zeros(world, -(-shard // 8) * 8)
+                x[:, :shard] = rows[r].view(world, shard)
+                sent.append(decompress_rows(compress_rows(x)[0])[:, :shard])
+                errors[r] = (x[:, :shard] - sent[-1]).reshape(-1)[:n]
+            m = torch.stack(sent).mean(0).reshape(-1)[:n].clone()
+        flat_p = torch.cat([p.detach().reshape(-1) for p in params])
+        update = m / (v.sqrt() + 1e-8)
+        update += 0.01 * flat_p
+        flat_p.add_(update, alpha=-LR)
+        torch.nn.utils.vector_to_parameters(flat_p, params)
+        out.append(flat_p.clone())
+    return out
+
+
+def rank_grad(model, params, step: int, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(GLOBAL, 6, generator=g), torch.randn(GLOBAL, 3, generator=g)
+    part = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def zero1(ckpt: str) -> dict:
+    cfg = {**CONFIG, "zero_optimization": {"stage": 1}}
+    engine, *_ = deepshard.initialize(model=mlp(), config=cfg)
+    (group,) = engine.strategy.groups
+    order = list(group.flat.params)
+    ref, diffs = zero1_reference(order), []
+    params = list(engine.module.parameters())
+    for step in range(STEPS):
+        engine_step(engine, step)
+        got = torch.cat([params[i].detach().reshape(-1) for i in order])
+        diffs.append(float((got - ref[step]).abs().max()))
+        if step + 1 == SAVE_AT:
+            engine.save_checkpoint(ckpt, tag="z1")
+    again, *_ = deepshard.initialize(model=mlp(), config=cfg)
+    again.load_checkpoint(ckpt, tag="z1")
+    for step in range(SAVE_AT, STEPS):
+        engine_step(again, step)
+    return {"diffs": diffs, "resumed_diff": float((flat(again.module) - flat(engine.module))
+                                                  .abs().max())}
+
+
 def resume(ckpt: str) -> dict:
     engine, *_ = deepshard.initialize(model=mlp(), config=CONFIG)
     engine.load_checkpoint(ckpt, tag="at4")
@@ -116,5 +191,5 @@ def resume(ckpt: str) -> dict:
 if __name__ == "__main__":
     deepshard.init_distributed(verbose=False)
     where, mode = sys.argv[-2:]  # after the --local_rank=N ds-run passes first
-    out = train(where) if mode == "train" else resume(where)
+    out = {"train": train, "zero1": zero1, "resume": resume}[mode](where)
     print("RESULT", json.dumps({"rank": dist.get_rank(), **out}), flush=True)
