@@ -26,6 +26,7 @@ one process, with the same functions, so that a multi-rank run matches it bit fo
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -33,14 +34,20 @@ import torch
 import deepshard.comm as comm
 
 _SCALE_BYTES = 4
-_SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
+_GATHER = 0x0102040810204080
+"""Times eight 0/1 bytes read as one little-endian int64, puts byte ``i`` at bit ``56 + i``."""
+_LITTLE = sys.byteorder == "little"
+_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
-    shifts = _SHIFTS_CACHE.get(device)
-    if shifts is None:
-        shifts = _SHIFTS_CACHE[device] = torch.arange(8, dtype=torch.uint8, device=device)
-    return shifts
+def _unpack_table(device: torch.device) -> torch.Tensor:
+    """(256, 8) fp32: row ``b`` is the ``+-1`` of byte ``b``'s bits, least significant first."""
+    table = _TABLES.get(device)
+    if table is None:
+        shifts = torch.arange(8, dtype=torch.uint8)
+        ones = (torch.arange(256, dtype=torch.uint8)[:, None] >> shifts) & 1
+        table = _TABLES[device] = ones.to(torch.float32).mul_(2.0).sub_(1.0).to(device)
+    return table
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +59,11 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
         from deepshard.kernels import onebit
 
         return onebit.pack(x.reshape(-1))[0]
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8) << _shifts(x.device)
-    return bits.sum(-1, dtype=torch.uint8)
+    signs = (x.reshape(-1) >= 0).view(torch.uint8)  # a fresh, aligned 0/1 byte per element
+    if _LITTLE:  # eight bytes at once: one multiply and one shift per output byte
+        return ((signs.view(torch.int64) * _GATHER) >> 56).to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    return (signs.view(-1, 8) << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_signs(bits: torch.Tensor) -> torch.Tensor:
@@ -67,8 +77,7 @@ def unpack_signs(bits: torch.Tensor) -> torch.Tensor:
 
         one = torch.ones((), dtype=torch.float32, device=flat.device)
         return onebit.unpack(flat, one, flat.numel() * 8, torch.float32)
-    ones = (flat[:, None] >> _shifts(flat.device)) & 1
-    return ones.reshape(-1).to(torch.float32).mul_(2.0).sub_(1.0)
+    return torch.index_select(_unpack_table(flat.device), 0, flat.to(torch.int32)).view(-1)
 
 
 def compress_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
