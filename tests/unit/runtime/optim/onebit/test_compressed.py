@@ -16,6 +16,7 @@ from deepshard.runtime.optim.onebit.compressed import (
     simulate,
     unpack_signs,
 )
+from tests.kernels.support import needs_gpu
 
 FLOATS = st.floats(allow_nan=False, width=32)
 
@@ -108,3 +109,25 @@ def test_error_feedback_keeps_the_running_sum_within_a_bound_that_does_not_grow(
     # without it the biased signs accumulate: the gap keeps growing with the steps
     assert without[-1] > 3 * max(with_feedback)
     assert np.mean(without[90:]) > 1.5 * np.mean(without[20:40])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_cuda_path_packs_and_simulates_as_the_cpu_path():
+    x = torch.randn(8 * 1001, generator=torch.Generator().manual_seed(3))
+    x[::5] = -0.0
+    bits = pack_signs(x.cuda())
+    assert bits.is_cuda and torch.equal(bits.cpu(), pack_signs(x))
+    assert torch.equal(unpack_signs(bits).cpu(), unpack_signs(pack_signs(x)))
+    world, n = 2, padded_numel(1001, 2)
+    on = {}
+    for device in ("cpu", "cuda"):
+        xs = [t.to(device) for t in rank_inputs(world, n, 5)]
+        errs = ([torch.zeros(n, device=device) for _ in range(world)],
+                [torch.zeros(n // world, device=device) for _ in range(world)])
+        for _ in range(2):  # (more calls: more chances that an ulp flips a sign near 0)
+            bufs = [t.clone() for t in xs]
+            simulate(bufs, *errs)
+        on[device] = [bufs[0], *errs[0], *errs[1]]
+    for a, b in zip(on["cpu"], on["cuda"], strict=True):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-5)
