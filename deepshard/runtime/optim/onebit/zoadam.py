@@ -40,9 +40,12 @@ class FlatParams:
                     self.entries.append((index, p, offset))
                     offset += p.numel()
             self.group_ranges.append((start, offset))
+        if not self.entries:
+            raise ValueError("a 1-bit optimizer needs at least one parameter that requires "
+                             "grad; HINT: pass the model's trainable parameters")
         self.numel = offset
         self.padded = padded_numel(offset)
-        self.device = self.entries[0][1].device if self.entries else torch.device("cpu")
+        self.device = self.entries[0][1].device
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.padded, dtype=torch.float32, device=self.device)
