@@ -6,7 +6,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint bench bench-fanout bench-train bench-zero \
-	bench-parallel bench-hf plots clean
+	bench-parallel bench-hf bench-onebit plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -63,6 +63,10 @@ bench-parallel: install
 
 bench-hf: install-test
 	$(PY) benchmarks/hf.py
+
+# two namespace hosts with tc-capped links (root, iproute2, openssh-server)
+bench-onebit: install
+	$(PY) benchmarks/onebit.py
 
 # the README's PNGs (docs/plots/) from the benchmarks' JSON records (benchmarks/results/)
 plots: $(VENV)/.installed-plot
