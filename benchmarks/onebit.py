@@ -27,6 +27,12 @@ only. Every timed step has a barrier before and after it. Reported per row:
   200 Mbit/s: compressed steps at least 5x faster than Adam on the wide model and 2x on
   the GPT; bytes at most 1/20 of Adam's).
 
+This measures time and bytes, not convergence: with the variance frozen after two steps,
+elements whose early gradients were small get large compressed updates, and the loss of the
+1-bit rows can grow within a few steps (every row's last loss is printed). 0/1 Adam's
+synchronisation interval reaches 4 steps on the first frozen steps (``ZOADAM``): with
+``--warmup 2``, ``--steps`` a multiple of 4 times whole periods, one sync step in four.
+
     sudo .venv/bin/python benchmarks/onebit.py [--steps 4] [--warmup 2] [--freeze-step 2]
         [--links 1gbit,200mbit] [--models gpt,wide] [--optimizers adam,onebit,zoadam]
 
@@ -325,13 +331,21 @@ def settings(args: argparse.Namespace) -> dict:
             "s_per_step": "rank 0's median of the timed steps (ZeroOneAdam: mean)"}
 
 
+def optimizer_sources() -> list[str]:
+    """``git status --porcelain`` of the 1-bit optimizers' folder: what ran that was not
+    committed (the record's ``uncommitted`` lists tracked files only)."""
+    done = subprocess.run(["git", "status", "--porcelain", "--", "deepshard/runtime/optim/onebit"],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    return [line for line in done.stdout.splitlines() if line.strip()]
+
+
 def main() -> None:
     args = parse_args()
     missing = missing_tools() + ([] if Path("/usr/sbin/tc").exists() else ["tc"])
     if missing:
         raise SystemExit(f"onebit.py needs {', '.join(missing)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up as on Ctrl-C
-    run = Run("onebit", settings(args))
+    run = Run("onebit", {**settings(args), "onebit_sources_not_committed": optimizer_sources()})
     with tempfile.TemporaryDirectory(prefix="onebit-bench-") as tmp:
         cluster = SimCluster(2, Path(tmp) / "cluster", prefix="dsob", subnet=13)
         try:
