@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -193,8 +194,13 @@ def summarize(ranks: list[dict], optimizer: str) -> dict:
             "compressed_by_step": [s["compressed"] for s in first["steps"]],
             "phase_by_step": [s["phase"] for s in first["steps"]],
             "all_step_s": [s["s"] for s in first["steps"]],
-            "final_loss": timed[-1]["loss"], "optimizer_class": first["optimizer_class"],
+            "final_loss": finite(timed[-1]["loss"]), "optimizer_class": first["optimizer_class"],
             "params": first["params"]}
+
+
+def finite(x: float) -> float | str:
+    """``x``, or its name when it is not finite (the record stays strict JSON)."""
+    return x if math.isfinite(x) else str(x)
 
 
 def in_phase(step: dict, optimizer: str) -> bool:
@@ -233,7 +239,7 @@ def table(rows: list[dict]) -> list[str]:
             lines.append(f"{head} - | - | - | {r['status']} |")
             continue
         step = f"{r['s_per_step']:.3f}" + (" (mean)" if r["statistic"] == "mean" else "")
-        speed = f"{r['vs_adam']:.2f}x faster" if r["optimizer"] != "Adam" and r["vs_adam"] \
+        speed = f"{r['vs_adam']:.2f}x" if r["optimizer"] != "Adam" and r["vs_adam"] \
             else "1" if r["optimizer"] == "Adam" else "-"
         share = r["bytes_vs_adam"]
         fraction = ("1" if r["optimizer"] == "Adam" else
@@ -265,11 +271,13 @@ def notes(rows: list[dict]) -> list[str]:
     """Per row: rank 0's timed steps, its CPU seconds in them, the loss at the end."""
     out = []
     for r in rows:
-        if r["status"] == "ok":
-            out.append(f"{r['model']} {r['link']} {r['optimizer']}: timed steps "
-                       f"{', '.join(f'{t:.2f}' for t in r['step_s'])} s; CPU per step (median, "
-                       f"rank 0) {r['cpu_s_median_by_rank'][0]:.2f} s; last loss "
-                       f"{r['final_loss']:.4g}")
+        if r["status"] != "ok":
+            continue
+        loss = r["final_loss"]
+        out.append(f"{r['model']} {r['link']} {r['optimizer']}: timed steps "
+                   f"{', '.join(f'{t:.2f}' for t in r['step_s'])} s; CPU per step (median, "
+                   f"rank 0) {r['cpu_s_median_by_rank'][0]:.2f} s; last loss "
+                   + (f"{loss:.4g}" if isinstance(loss, float) else loss))
     return out
 
 
@@ -360,7 +368,8 @@ def main() -> None:
           f"load average {' '.join(f'{x:.2f}' for x in run.loadavg_start)} at the start, "
           f"{' '.join(f'{x:.2f}' for x in loadavg())} at the end; {args.steps} timed steps "
           f"after {args.warmup} warm-up (and {args.freeze_step} freeze steps for the 1-bit "
-          "optimizers); s/step is rank 0's, bytes are both hosts' tx")
+          "optimizers); s/step is rank 0's, bytes are both hosts' tx; vs Adam is Adam's "
+          "s/step over the row's (the speed-up), bytes vs Adam the row's bytes over Adam's")
     print("\n".join(link_lines(probes)))
     print()
     lines = table(rows)
