@@ -30,6 +30,9 @@ def check_parity(data: dict, world: int) -> None:
     rows = zo["padded"] // world // 8 + 4  # one chunk's signs and its scale
     assert zo["sent"] == {"variance": exact, "compressed": 2 * (world - 1) * rows,
                           "sync": 2 * (world - 1) * rows, "local": 0}, zo
+    # rank 0's checkpoint between syncs, loaded everywhere: local steps, then equal at the sync
+    assert [in_sync for in_sync, _ in zo["resumed"]] == [False, False, True, False], zo
+    assert zo["resumed"][0][1] > 1e-4 and zo["resumed"][2][1] < 1e-5, zo
     assert lamb["ok"] and lamb["coeffs_ok"], lamb
     assert lamb["protocol"] == [False] * 5 + [True] * 9
     assert lamb["apart"] == 0.0  # the same compressed average on every rank

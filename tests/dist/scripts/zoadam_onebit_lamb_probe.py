@@ -79,7 +79,30 @@ def zoadam_parity(rank: int, world: int) -> dict:
         sent[kind] = opt.last_bytes_sent
     numel = sum(p.numel() for p in params)
     return {"ok": ok, "worst": worst, "sync_apart": sync_apart, "local_apart": local_apart,
-            "sent": sent, "padded": opt._comm.padded_numel(numel), "numel": numel}
+            "sent": sent, "padded": opt._comm.padded_numel(numel), "numel": numel,
+            "resumed": resume_from_rank0(net, params, opt, rank, world)}
+
+
+def resume_from_rank0(net, params, opt, rank: int, world: int) -> list[list]:
+    """A checkpoint of rank 0's parameters and ``state_dict()`` taken between two syncs,
+    loaded on every rank with its own errors: ``[in sync, how far apart]`` after each of the
+    next four steps (a sync at the third)."""
+    saved = [opt.state_dict(), [p.detach().clone() for p in params]]
+    dist.broadcast_object_list(saved, src=0)
+    with torch.no_grad():
+        for p, q in zip(params, saved[1], strict=True):
+            p.copy_(q)
+    fresh = ZeroOneAdam(zo_test.groups_of(net), lr=0.01, **zo_test.HP, **zo_test.SCHEDULE)
+    fresh.load_state_dict(saved[0])
+    fresh.load_error_state(opt.error_state())
+    found = []
+    for k in range(zo_test.STEPS + 1, zo_test.STEPS + 5):
+        zo_test.backward(net, 100 * k + rank)
+        fresh.step()
+        mine = [p.detach() for p in params]
+        found.append([fresh.params_in_sync(),
+                      max(max_diff(mine, other) for other in gathered(mine, world))])
+    return found
 
 
 def lamb_parity(rank: int, world: int) -> dict:

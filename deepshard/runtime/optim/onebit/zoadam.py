@@ -195,14 +195,20 @@ class ZeroOneAdam(torch.optim.Optimizer):
     sync step, every rank holds the same ``m``, ``v`` and parameters (up to rounding: ``p - u``
     restores the synchronised value only to within an ulp, as in DeepSpeed). Between syncs
     (frozen phase, ``local_step_interval > 1``) each rank's parameters and ``exp_avg`` follow
-    its own gradients: :meth:`params_in_sync` says which is the case after the last step;
-    checkpoint rank 0's parameters at such points only.
+    its own gradients: :meth:`params_in_sync` says which is the case after the last step.
+
+    **Checkpoints.** The local accumulation since the last sync (``u``, ``lrs``) is per rank
+    and never checkpointed: :meth:`load_state_dict` resets it (as DeepSpeed does), so a
+    checkpoint of rank 0's parameters and ``state_dict()`` taken between syncs resumes with
+    rank 0's local parameters and momentum as every rank's synchronised starting point (the
+    ranks stay identical; the other ranks' local steps since the last sync are dropped). At a
+    sync point (``params_in_sync()``) a resume continues exactly.
 
     Engine protocol: :meth:`communicates_next_step` is always True (step() does all of its own
     communication and wants this rank's local average gradient); ``state_dict()`` holds only
     shared state (``step``, ``exp_avg``, ``exp_avg_sq`` and the schedule counters per
-    parameter); :meth:`error_state` / :meth:`load_error_state` carry the per-rank buffers
-    (``worker_error``, ``server_error``, ``momentum_accumulator`` ``u``, ``lrs``);
+    parameter); :meth:`error_state` / :meth:`load_error_state` carry the per-rank
+    compression errors (``worker_error``, ``server_error``);
     :attr:`last_bytes_sent` is what this rank sent in its last step. ``amsgrad=True`` is a
     ``ValueError``.
     """
@@ -263,14 +269,13 @@ class ZeroOneAdam(torch.optim.Optimizer):
         return self._in_sync
 
     def error_state(self) -> dict[str, torch.Tensor]:
-        """This rank's own buffers: compression errors, ``momentum_accumulator`` and ``lrs``
-        (one entry per param group)."""
+        """This rank's compression errors (``worker_error``, ``server_error``)."""
         self._ensure_built()
         return dict(self._local)
 
     def load_error_state(self, errors: dict[str, torch.Tensor] | None) -> None:
         """Restore :meth:`error_state`'s buffers; None, or a missing or mismatched entry,
-        resets them all to zeros."""
+        resets them to zeros."""
         self._ensure_built()
         ok = errors is not None and set(errors) == set(self._local) and all(
             errors[k].shape == v.shape for k, v in self._local.items())
@@ -300,9 +305,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
         flat.attach(states, "exp_avg_sq", self._v)
         self._buffer = flat.zeros()
         worker, server = self._comm.new_errors(flat.padded, flat.device)
-        self._local = {"worker_error": worker, "server_error": server,
-                       "momentum_accumulator": flat.zeros(),
-                       "lrs": torch.zeros(len(self.param_groups), dtype=torch.float64)}
+        self._local = {"worker_error": worker, "server_error": server}
+        # u (the momentum_accumulator of DeepSpeed) and the sum of lrs since the last sync
+        self._accumulated = {"u": flat.zeros(),
+                             "lrs": torch.zeros(len(self.param_groups), dtype=torch.float64)}
         self._flat = flat
 
     def _first_state(self) -> dict[str, Any]:
@@ -310,8 +316,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load shared state (the script's ``exp_avg_mask`` wins over the checkpoint's, as in
-        DeepSpeed) and rebuild the flat buffers from it; per-rank buffers are reset (load
-        them with :meth:`load_error_state`)."""
+        DeepSpeed) and rebuild the flat buffers from it; the per-rank buffers are reset (the
+        errors can be loaded with :meth:`load_error_state`; the local accumulation since the
+        last sync starts again from zero, see the class docstring)."""
         super().load_state_dict(keep_current_masks(self.param_groups, state_dict))
         self._flat = None
         self._ensure_built()
@@ -402,7 +409,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             accumulator[:flat.numel].add_(update[:flat.numel])
 
     def _frozen_phase(self, grads: torch.Tensor, sync: bool) -> None:
-        flat, u, lrs = self._flat, self._local["momentum_accumulator"], self._local["lrs"]
+        flat, u, lrs = self._flat, self._accumulated["u"], self._accumulated["lrs"]
         for index, group in enumerate(self.param_groups):
             beta1 = group["betas"][0]
             m = flat.group_slice(self._m, index)
