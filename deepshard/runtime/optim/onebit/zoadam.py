@@ -178,10 +178,11 @@ class ZeroOneAdam(torch.optim.Optimizer):
     (:class:`~deepshard.runtime.optim.onebit.compressed.CompressedAllreduce`), ``A(x)`` the
     exact average, ``d = sqrt(v) + eps`` and ``upd = m / d + weight_decay * p``:
 
-    * variance phase (until the step after ``t > var_freeze_step``), see
-      :class:`ZeroOneSchedule`: at variance steps ``g = A(g)``, ``v = b2 v + (1-b2) g^2``,
-      ``m = b1 m + (1-b1) g``; at the others ``m = b1 m + (1-b1) mask * C(g)``; then
-      ``p -= lr * upd``.
+    * variance phase, updates ``k <= max(var_freeze_step, 1)`` (DeepSpeed freezes after the
+      step whose counter passes ``var_freeze_step``), see :class:`ZeroOneSchedule`: at
+      variance steps ``g = A(g)`` (done by step() itself; DeepSpeed had its engine do it),
+      ``v = b2 v + (1-b2) g^2``, ``m = b1 m + (1-b1) g``; at the others
+      ``m = b1 m + (1-b1) mask * C(g)``; then ``p -= lr * upd``.
     * frozen phase (the errors are zeroed on entry): ``m = b1 m + (1-b1) g`` locally,
       ``lrs += lr``, ``p -= lr * upd``, ``u -= lr * upd``; at sync steps ``p -= u``,
       ``u = mask * C(u * d)``, ``m = -u / lrs``, ``p += u / d``, then ``u = 0``, ``lrs = 0``.
@@ -205,9 +206,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
     sync point (``params_in_sync()``) a resume continues exactly.
 
     Engine protocol: :meth:`communicates_next_step` is always True (step() does all of its own
-    communication and wants this rank's local average gradient); ``state_dict()`` holds only
-    shared state (``step``, ``exp_avg``, ``exp_avg_sq`` and the schedule counters per
-    parameter); :meth:`error_state` / :meth:`load_error_state` carry the per-rank
+    communication and wants this rank's local average gradient); ``state_dict()`` holds
+    ``step``, ``exp_avg``, ``exp_avg_sq`` and the schedule counters per parameter, the same
+    on every rank except ``exp_avg`` between syncs (see above: rank 0's is then the one to
+    save); :meth:`error_state` / :meth:`load_error_state` carry the per-rank
     compression errors (``worker_error``, ``server_error``);
     :attr:`last_bytes_sent` is what this rank sent in its last step. ``amsgrad=True`` is a
     ``ValueError``.
