@@ -26,8 +26,9 @@ DEEPSPEED_INIT_STEPS = 1
 
 
 class FlatParams:
-    """The trainable parameters of some param groups laid end to end, group after group,
-    in fp32 buffers of ``padded`` elements (``numel`` used, the rest padding)."""
+    """The trainable (``requires_grad``, non-empty) parameters of some param groups laid end
+    to end, group after group, in fp32 buffers of ``padded`` elements (``numel`` used, the
+    rest padding); the others are left alone."""
 
     def __init__(self, param_groups: list[dict[str, Any]], padded_numel: Callable[[int], int]):
         self.entries: list[tuple[int, torch.Tensor, int]] = []  # (group index, param, offset)
@@ -36,7 +37,7 @@ class FlatParams:
         for index, group in enumerate(param_groups):
             start = offset
             for p in group["params"]:
-                if p.requires_grad:
+                if p.requires_grad and p.numel() > 0:  # DeepSpeed's LAMB drops empty ones too
                     self.entries.append((index, p, offset))
                     offset += p.numel()
             self.group_ranges.append((start, offset))

@@ -252,3 +252,19 @@ def test_checkpoint_state_is_shared_and_a_resume_continues_exactly(one_rank_grou
                                                  strict=True))
     resumed.load_error_state(None)
     assert all(t.abs().sum() == 0 for t in resumed.error_state().values())
+
+
+def test_frozen_and_empty_parameters_are_left_alone(one_rank_group):
+    net = model()
+    net[0].bias.requires_grad_(False)
+    empty = torch.nn.Parameter(torch.zeros(0))
+    opt = OneBitLamb([*net.parameters(), empty], lr=0.01, freeze_step=3)
+    bias = net[0].bias.detach().clone()
+    for k in range(1, 5):  # through the first compressed step (scaling coefficients)
+        backward(net, k)
+        opt.step()
+    assert torch.equal(net[0].bias, bias)
+    assert net[0].bias not in opt.state and empty not in opt.state
+    assert len(opt.get_lamb_coeffs()) == 3
+    with pytest.raises(ValueError, match="requires grad"):
+        OneBitLamb([net[0].bias], freeze_step=3).step()
