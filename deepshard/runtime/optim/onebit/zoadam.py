@@ -312,6 +312,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         # u (the momentum_accumulator of DeepSpeed) and the sum of lrs since the last sync
         self._accumulated = {"u": flat.zeros(),
                              "lrs": torch.zeros(len(self.param_groups), dtype=torch.float64)}
+        self._frozen_denom: torch.Tensor | None = None
         self._flat = flat
 
     def _first_state(self) -> dict[str, Any]:
@@ -396,11 +397,19 @@ class ZeroOneAdam(torch.optim.Optimizer):
             self._flat.group_slice(denom, index).add_(group["eps"])
         return denom
 
-    def _apply_updates(self, accumulator: torch.Tensor | None) -> None:
+    def _frozen_denominators(self) -> torch.Tensor:
+        """:meth:`_denominators` of the frozen variance, computed once (and again after a
+        load)."""
+        if self._frozen_denom is None:
+            self._frozen_denom = self._denominators()
+        return self._frozen_denom
+
+    def _apply_updates(self, accumulator: torch.Tensor | None,
+                       denom: torch.Tensor | None = None) -> None:
         """``p -= lr * upd`` for every parameter (and ``u -= lr * upd`` into
         ``accumulator``), ``upd = m / (sqrt(v) + eps) + weight_decay * p``."""
         flat = self._flat
-        update = self._m / self._denominators()
+        update = self._m / (self._denominators() if denom is None else denom)
         for i, (index, p, _) in enumerate(flat.entries):
             group = self.param_groups[index]
             view = flat.view(update, i)
@@ -418,13 +427,13 @@ class ZeroOneAdam(torch.optim.Optimizer):
             m = flat.group_slice(self._m, index)
             m.mul_(beta1).add_(flat.group_slice(grads, index), alpha=1 - beta1)
             lrs[index] += group["lr"]
-        self._apply_updates(u)
+        denom = self._frozen_denominators()
+        self._apply_updates(u, denom)
         self._in_sync = sync
         if not sync:
             return
         for i, (_, p, _) in enumerate(flat.entries):
             p.sub_(flat.view(u, i).to(p.dtype))
-        denom = self._denominators()
         u.mul_(denom)
         self._compressed(u)
         apply_masks(flat, u, self.param_groups)
