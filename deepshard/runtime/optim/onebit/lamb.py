@@ -60,6 +60,12 @@ class OneBitLamb(torch.optim.Optimizer):
     On one rank nothing is compressed (as in DeepSpeed). Parameters and all of ``state`` stay
     identical across ranks at every step (the compressed average is the same on every rank).
 
+    Where DeepSpeed's code had accidents this does not copy them: the flat buffer's padding is
+    zero at every all-reduce (DeepSpeed's kept the previous result), a zero momentum gets
+    ``s = 1`` (DeepSpeed's divided by zero), ``v_fresh = v`` also when ``freeze_step < 2``
+    (DeepSpeed's stayed zero), and a checkpoint loads ``lamb_coeff_freeze``, ``last_factor``
+    and ``scaling_coeff`` as saved (DeepSpeed reset them when loading a warm-up checkpoint).
+
     Engine protocol: :meth:`communicates_next_step` is False during the warm-up (the engine
     all-reduces and step() gets the data-parallel average) and True afterwards (step() gets
     this rank's local average gradient and does one compressed all-reduce); ``state_dict()``

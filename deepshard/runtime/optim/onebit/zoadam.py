@@ -193,6 +193,12 @@ class ZeroOneAdam(torch.optim.Optimizer):
     configs and ignored, as there. A parameter without a gradient counts as a zero gradient.
     On one rank no compression happens (the average of one buffer is itself).
 
+    Where this differs from DeepSpeed's code: the compressed all-reduce sees one flat buffer
+    of all parameters (DeepSpeed compressed each parameter on its own, so its scales were per
+    parameter); on one rank ``m`` takes the gradient at compressed steps (DeepSpeed's skipped
+    the update there); ``m = 0`` when ``lrs`` is 0 (DeepSpeed divided by zero); a checkpoint
+    keeps the schedule counters (DeepSpeed reset them to their initial values on load).
+
     **Parameters across ranks.** In the variance phase, and in the frozen phase after each
     sync step, every rank holds the same ``m``, ``v`` and parameters (up to rounding: ``p - u``
     restores the synchronised value only to within an ulp, as in DeepSpeed). Between syncs
