@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm import collectives as comm
 from ..errors import UsageError
 from .backward import outside_error
 from .hooks import weak_hook
@@ -173,7 +174,7 @@ class GradBuckets:
             return
         buf = self.buffers[b]
         wire = buf if self.comm_dtype in (None, buf.dtype) else buf.to(self.comm_dtype)
-        work = dist.all_reduce(wire, group=self.group, async_op=True)
+        work = comm.all_reduce(wire, group=self.group, async_op=True)
         self._works.append((work, wire, b))
 
     def finish(self) -> None:

@@ -11,6 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ...comm import collectives as comm
+
 
 def training_device() -> torch.device:
     """This worker's device: its local rank's GPU, else the CPU."""
@@ -76,7 +78,7 @@ def broadcast_from_rank0(module: torch.nn.Module, group, world: int) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for group_tensors in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, src=src, group=group)
+        comm.broadcast(flat, src=src, group=group)
         offset = 0
         for t in group_tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

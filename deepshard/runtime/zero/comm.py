@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...comm import collectives as comm
+
 
 def reduce_by_all_reduce(pg: dist.ProcessGroup | None) -> bool:
     """Whether :func:`reduce_into_shard` all-reduces on ``pg`` (gloo) instead of
@@ -27,5 +29,5 @@ def reduce_into_shard(buf: torch.Tensor, lo: int, hi: int, pg: dist.ProcessGroup
     ``buf[lo:hi]``) over ``pg``, in place; returns the async work. After it completes,
     ``buf[lo:hi]`` holds the sum (with ``all_reduce`` the rest of ``buf`` does too)."""
     if all_reduce:
-        return dist.all_reduce(buf, group=pg, async_op=True)
-    return dist.reduce_scatter_tensor(buf[lo:hi], buf, group=pg, async_op=True)
+        return comm.all_reduce(buf, group=pg, async_op=True)
+    return comm.reduce_scatter_tensor(buf[lo:hi], buf, group=pg, async_op=True)

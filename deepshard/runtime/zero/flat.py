@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ...comm import collectives as comm
 from .init import adopt
 from .partition import FlatLayout, ShardSpec
 from .swap import TensorSwapper
@@ -100,7 +101,7 @@ class FlatGroup:
                 self.full.copy_(src)
                 self._attach()
             else:
-                self._work = dist.all_gather_into_tensor(self.full, src, group=self.pg,
+                self._work = comm.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)
         if not async_op:
             self.wait()
@@ -132,14 +133,14 @@ class FlatGroup:
         (replicated groups; in place). Returns the async work, or ``None``."""
         if self.partitioned or self.spec.world == 1:
             return None
-        return dist.all_gather_into_tensor(self.full, self.shard, group=self.pg, async_op=True)
+        return comm.all_gather_into_tensor(self.full, self.shard, group=self.pg, async_op=True)
 
     def broadcast_full(self, src_rank: int) -> None:
         """Overwrite the gathered full buffer with ``src_rank``'s (group rank) and take this
         rank's shard from it (used after user code modified gathered parameters)."""
         if self.spec.world > 1:
             src = dist.get_global_rank(self.pg, src_rank) if self.pg is not None else src_rank
-            dist.broadcast(self.full, src=src, group=self.pg)
+            comm.broadcast(self.full, src=src, group=self.pg)
         if self.partitioned:
             self.write_shard(self.full[self.lo:self.hi])
 

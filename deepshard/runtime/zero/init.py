@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ...comm import collectives as comm
 from .partition import ShardSpec
 
 
@@ -130,7 +131,7 @@ def keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool,
     flat = full.reshape(-1).contiguous()
     if broadcast and world > 1:
         src = dist.get_global_rank(pg, src_rank) if pg is not None else src_rank
-        dist.broadcast(flat, src=src, group=pg)
+        comm.broadcast(flat, src=src, group=pg)
     lo, hi = spec.bounds(dist.get_rank(pg))
     shard = torch.zeros(spec.shard, dtype=full.dtype, device=full.device)
     real = max(0, min(hi, full.numel()) - lo)
@@ -165,7 +166,7 @@ def full_value(p: torch.nn.Parameter) -> torch.Tensor:
     world = dist.get_world_size(pg)
     full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
     if world > 1:
-        dist.all_gather_into_tensor(full, shard, group=pg)
+        comm.all_gather_into_tensor(full, shard, group=pg)
     else:
         full.copy_(shard)
     return full[:p.ds_numel].view(p.ds_shape).to(device=p.device, dtype=p.dtype)

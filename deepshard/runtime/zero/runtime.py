@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ...comm import collectives as comm
 from ..buckets import DEFAULT_BUCKET_BYTES
 from ..checkpoint import zero_shards
 from ..checkpoint.by_name import merge_groups
@@ -107,7 +108,7 @@ class ZeroStrategy(DataParallelStrategy):
 
     def sum_over_data_parallel_(self, square_norm: torch.Tensor) -> None:
         if self.world > 1:
-            dist.all_reduce(square_norm, group=self.group)
+            comm.all_reduce(square_norm, group=self.group)
 
     def step_tensors(self, opt_group: int) -> list[torch.Tensor]:
         """What the optimizer steps for one of its param groups."""
