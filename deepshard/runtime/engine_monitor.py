@@ -24,6 +24,10 @@ optimizer step (:meth:`EngineMonitor.step_loss`, :meth:`EngineMonitor.after_step
   ``Train/Samples/step_time_ms`` (first forward of the step to the end of its optimizer
   step) and ``Train/Samples/samples_per_second``; with ``wall_clock_breakdown`` also
   DeepSpeed's ``Train/Samples/elapsed_time_ms_forward``, ``_backward`` and ``_step``.
+
+The pipeline engine records its last stage's micro-batch losses here (for the heartbeat)
+and writes ``train_loss`` itself, from the mean ``train_batch`` returns on every stage
+(:meth:`EngineMonitor.write_train_loss`), as DeepSpeed's pipeline engine does.
 """
 
 from __future__ import annotations
@@ -116,6 +120,9 @@ class EngineMonitor:
         self._step_mean: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, object] | None = None  # CUDA: host copy, event
         self._iter_start: float | None = None
+        self.loss_by_caller = False
+        """True when the engine writes ``train_loss`` itself (:meth:`write_train_loss`):
+        the pipeline engine, whose loss is averaged and broadcast over all stages."""
         if self.master.monitors:
             atexit.register(self.close)
 
@@ -184,9 +191,15 @@ class EngineMonitor:
             if self.rank == 0 and (not every or engine.global_steps % every == 0):
                 logger.info("%s", self.timers.line())
         if self.master.enabled:
-            train_loss = self._global_loss()
+            train_loss = None if self.loss_by_caller else self._global_loss()
             if self.rank == 0:
                 self.master.write_events(self.events(engine, train_loss, step_ms))
+
+    def write_train_loss(self, mean: torch.Tensor, samples: int) -> None:
+        """Rank 0, monitor enabled: ``Train/Samples/train_loss`` of a mean the caller has
+        already averaged over the batch (read only then: no sync otherwise)."""
+        if self.master.enabled and self.rank == 0:
+            self.master.write_events([("Train/Samples/train_loss", float(mean), samples)])
 
     def _global_loss(self) -> float | None:
         mean = self._step_mean

@@ -51,3 +51,25 @@ def test_csv_monitor_writes_deepspeeds_lr_file_and_the_global_loss(tmp_path):
     assert [int(step) for step, _ in rows] == [batch * (s + 1) for s in range(STEPS)]
     want_losses, _ = reference()
     assert loss_diff([float(v) for _, v in rows], want_losses) < TOL
+
+
+def test_pipeline_train_loss_is_what_train_batch_returned(tmp_path):
+    """A 2-stage pipeline (scripts/pipeline_mlp.py): rank 0 (the first stage, which has no
+    loss of its own) writes the mean loss train_batch returned, as DeepSpeed's pipeline
+    engine writes ``Train/Samples/train_loss``; the lr rows are the constant lr."""
+    from tests.compat.test_pipeline import CONFIG as PIPE_CONFIG
+
+    out = tmp_path / "csv"
+    config = {**PIPE_CONFIG, "csv_monitor": {"enabled": True, "output_path": str(out),
+                                             "job_name": "pipe"}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    ranks = run_compat("pipeline_mlp.py", tmp_path / "ranks", "--deepspeed_config",
+                       str(tmp_path / "ds_config.json"), "--steps", str(STEPS))
+    batch, lr = PIPE_CONFIG["train_batch_size"], PIPE_CONFIG["optimizer"]["params"]["lr"]
+    job = out / "pipe"
+    assert (job / "Train_Samples_train_loss.csv").read_bytes() == (
+        "step,train_loss\r\n" + "".join(f"{batch * (s + 1)},{loss!r}\r\n"
+                                       for s, loss in enumerate(ranks[0]["losses"]))).encode()
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert (job / "Train_Samples_lr.csv").read_bytes() == (
+        "step,lr\r\n" + "".join(f"{batch * (s + 1)},{lr!r}\r\n" for s in range(STEPS))).encode()

@@ -76,6 +76,7 @@ class PipelineEngine(DeepShardEngine):
         self.data_iterator = None
         self.batch_fn = None
         self._batch_seconds = 0.0
+        self._monitor.loss_by_caller = True  # train_batch writes the all-stage mean
 
     # -- DeepSpeed's data plumbing -------------------------------------------------------
     def training_loader(self, dataset, collate_fn=None):
@@ -171,6 +172,7 @@ class PipelineEngine(DeepShardEngine):
             "busy_s": b.forward_s + b.backward_s, "forward_s": b.forward_s,
             "backward_s": b.backward_s}
         heartbeat(self.counters.global_steps)
+        self._monitor.write_train_loss(mean, self.global_samples)
         self._print_progress(mean)
         return mean
 
@@ -197,6 +199,7 @@ class PipelineEngine(DeepShardEngine):
         if self.is_last_stage():
             loss = module.loss_fn(out, b.labels.pop(mb))
             b.losses.append(loss.detach().float())
+            self._monitor.record_loss(loss)  # the heartbeat's loss, on the last stage
             out = loss.float() * b.factor
         b.outputs[mb] = out
         b.forward_s += time.perf_counter() - t0
