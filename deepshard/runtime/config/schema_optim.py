@@ -361,7 +361,7 @@ class SchedulerConfig(Section):
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"] = doc(
         "Schedule: WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (case-sensitive, as in "
         "DeepSpeed).")
-    params: SerializeAsAny[OptimizerParams] = doc(
+    params: SerializeAsAny[Section] = doc(
         "Schedule parameters, validated by the type's model (WarmupLRParams, "
         "WarmupDecayLRParams, WarmupCosineLRParams, OneCycleParams).",
         default_factory=WarmupLRParams)
