@@ -9,12 +9,35 @@ does, for :class:`deepshard.monitor.monitor.MonitorMaster`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from deepshard.runtime.config.schema_base import Bool, Int, Section, doc, one_of
+from deepshard.runtime.config.schema_base import (
+    Bool,
+    Int,
+    KeyLog,
+    Section,
+    doc,
+    one_of,
+    unknown_key_error,
+)
 
 
-class TensorBoardConfig(Section):
+class StrictSection(Section):
+    """A section whose unknown keys are errors, not warnings: DeepSpeed 0.19.8's monitor
+    models forbid extra keys ("Extra inputs are not permitted"), so a config it refuses
+    is refused here too, in one line with the key path."""
+
+    @classmethod
+    def coerce(cls, data: Any, log: KeyLog) -> Any:
+        if isinstance(data, dict):
+            known = cls.known_keys()
+            for key in data:
+                if key not in known:
+                    raise unknown_key_error(cls, str(key), log)
+        return data
+
+
+class TensorBoardConfig(StrictSection):
     """``tensorboard``: scalars through ``torch.utils.tensorboard.SummaryWriter`` (needs the
     ``tensorboard`` package)."""
 
@@ -24,7 +47,7 @@ class TensorBoardConfig(Section):
     job_name: str = doc("The job's directory inside output_path.", default="DeepSpeedJobName")
 
 
-class WandbConfig(Section):
+class WandbConfig(StrictSection):
     """``wandb``: scalars logged to Weights & Biases with ``wandb.log`` (needs ``wandb``;
     ``WANDB_MODE=offline`` keeps the run local)."""
 
@@ -35,7 +58,7 @@ class WandbConfig(Section):
     project: str = doc("The wandb project.", default="deepspeed")
 
 
-class CSVConfig(Section):
+class CSVConfig(StrictSection):
     """``csv_monitor``: one CSV file per scalar, ``<output_path>/<job_name>/<name>.csv``."""
 
     enabled: Bool = doc("Write CSV files.", default=False)
@@ -48,7 +71,7 @@ CometMode = Annotated[Literal["get", "create", "get_or_create"],
                       one_of("get", "create", "get_or_create")]
 
 
-class CometConfig(Section):
+class CometConfig(StrictSection):
     """``comet``: scalars logged to a Comet experiment (needs ``comet_ml`` >= 3.41;
     ``online: false`` writes an offline experiment archive instead)."""
 
@@ -86,4 +109,5 @@ class MonitorConfig(Section):
                 or self.comet.enabled)
 
 
-__all__ = ["CSVConfig", "CometConfig", "MonitorConfig", "TensorBoardConfig", "WandbConfig"]
+__all__ = ["CSVConfig", "CometConfig", "MonitorConfig", "StrictSection", "TensorBoardConfig",
+           "WandbConfig"]

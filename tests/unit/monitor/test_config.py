@@ -47,3 +47,12 @@ def test_a_wrong_value_names_its_path():
     assert err.where == "<dict>: comet.mode" and "get_or_create" in err.hint
     err = error_of({"wall_clock_breakdown": 3})
     assert err.where == "<dict>: wall_clock_breakdown"
+
+
+@pytest.mark.parametrize("section", ["csv_monitor", "tensorboard", "wandb", "comet"])
+def test_an_unknown_key_is_an_error_as_in_deepspeed(section):
+    """DeepSpeed 0.19.8's monitor models forbid extra keys; other sections only warn."""
+    err = error_of({section: {"enabled": False, "colour": "blue"}})
+    assert err.where == f"<dict>: {section}.colour"
+    assert err.message == "unknown key" and "enabled" in err.hint
+    assert load({"fp16": {"enabled": False, "colour": "blue"}}).unknown == ("fp16.colour",)
