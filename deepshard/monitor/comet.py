@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..errors import UsageError
 from .base import Event, Monitor
 from .utils import require
 
@@ -20,7 +21,8 @@ class CometMonitor(Monitor):
     """A Comet experiment.
 
     Raises:
-        UsageError: comet_ml (>= 3.41) is not installed.
+        UsageError: comet_ml (>= 3.41) is not installed, or it cannot start an
+            experiment (online without an API key).
     """
 
     def __init__(self, comet_config: Any):
@@ -28,10 +30,16 @@ class CometMonitor(Monitor):
         comet_ml = require("comet")
         self.enabled = comet_config.enabled
         self._samples_log_interval = comet_config.samples_log_interval
-        self._experiment = comet_ml.start(
-            api_key=comet_config.api_key, project=comet_config.project,
-            workspace=comet_config.workspace, experiment_key=comet_config.experiment_key,
-            mode=comet_config.mode, online=comet_config.online)
+        try:
+            self._experiment = comet_ml.start(
+                api_key=comet_config.api_key, project=comet_config.project,
+                workspace=comet_config.workspace, experiment_key=comet_config.experiment_key,
+                mode=comet_config.mode, online=comet_config.online)
+        except ValueError as exc:  # e.g. online without an API key
+            raise UsageError(f"comet could not start an experiment: {exc}".strip(),
+                             where="comet.enabled",
+                             hint="set comet.api_key or COMET_API_KEY, or comet.online to "
+                                  "false for an offline experiment") from None
         if comet_config.experiment_name is not None:
             self._experiment.set_name(comet_config.experiment_name)
         self._events_log_scheduler = EventsLogScheduler(comet_config.samples_log_interval)

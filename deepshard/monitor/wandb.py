@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..errors import UsageError
 from .base import Event, Monitor
 from .utils import require
 
@@ -19,7 +20,8 @@ class WandbMonitor(Monitor):
     """A wandb run.
 
     Raises:
-        UsageError: the wandb package is not installed.
+        UsageError: the wandb package is not installed, or wandb cannot start a run (no
+            API key in online mode).
     """
 
     def __init__(self, wandb_config: Any):
@@ -29,7 +31,13 @@ class WandbMonitor(Monitor):
         self.group = wandb_config.group
         self.team = wandb_config.team
         self.project = wandb_config.project
-        self.run = self._wandb.init(project=self.project, group=self.group, entity=self.team)
+        try:
+            self.run = self._wandb.init(project=self.project, group=self.group,
+                                        entity=self.team)
+        except self._wandb.errors.Error as exc:  # e.g. no API key: wandb's own UsageError
+            raise UsageError(f"wandb could not start a run: {exc}", where="wandb.enabled",
+                             hint="run `wandb login` (or set WANDB_API_KEY), or set "
+                                  "WANDB_MODE=offline to keep the run local") from None
 
     def log(self, data: dict, step: int | None = None, commit: bool | None = None):
         """``wandb.log``."""

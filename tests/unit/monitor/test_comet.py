@@ -42,3 +42,14 @@ def test_offline_experiment_logs_deepspeeds_events_and_leaves_no_process(tmp_pat
     for (_, value), (_, loss, _) in zip(metrics["Train/Samples/train_loss"], logged,
                                         strict=True):
         assert value == pytest.approx(loss, rel=1e-6)
+
+
+def test_online_without_an_api_key_is_one_line_and_exit_code_2(tmp_path):
+    config = {**BASE, "comet": {"enabled": True}}
+    result = run_python(train_code(config), tmp_path, {"COMET_DISABLE_AUTO_LOGGING": "1"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "deepshard: error" in line]
+    assert line.startswith("deepshard: error: comet.enabled: comet could not start an "
+                           "experiment: Comet.ml requires an API key")
+    assert "comet.online to false" in line and "Traceback" not in result.stderr
+    assert processes_left(tmp_path) == []

@@ -57,3 +57,14 @@ def test_offline_run_logs_deepspeeds_events_and_leaves_no_process(tmp_path):
         assert h["Train/Samples/train_loss"] == pytest.approx(loss, rel=1e-6)
         assert {"Train/Samples/grad_norm", "Train/Samples/step_time_ms",
                 "Train/Samples/samples_per_second"} <= set(h)
+
+
+def test_online_without_an_api_key_is_one_line_and_exit_code_2(tmp_path):
+    config = {**BASE, "wandb": {"enabled": True}}
+    result = run_python(train_code(config), tmp_path, {"WANDB_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "deepshard: error" in line]
+    assert line.startswith("deepshard: error: wandb.enabled: wandb could not start a run: "
+                           "No API key configured")
+    assert "WANDB_MODE=offline" in line and "Traceback" not in result.stderr
+    assert processes_left(tmp_path) == []
