@@ -30,6 +30,8 @@ NAMES = [
     "monitor.tensorboard.TensorBoardMonitor", "monitor.wandb.WandbMonitor",
     "monitor.comet.CometMonitor", "monitor.config.get_monitor_config",
     "monitor.config.DeepSpeedMonitorConfig",
+    "runtime.fp16.onebit.adam.OnebitAdam", "runtime.fp16.onebit.zoadam.ZeroOneAdam",
+    "runtime.fp16.onebit.lamb.OnebitLamb",
 ]
 
 PROBE = """
