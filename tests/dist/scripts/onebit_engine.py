@@ -7,8 +7,9 @@ Usage: ``onebit_engine.py <checkpoint dir> <mode>``:
   half of the batch; the gradients all-reduced (averaged) by hand in the warm-up, left
   local in the compressed phase, then ``OneBitAdam.step()``. Reports the largest weight
   difference per step, the bytes of ``all_reduce`` per step (the dense reduction must stop
-  once compression starts) and the optimizer's own bytes; saves a checkpoint after step 4
-  and checks that a fresh engine loading it continues exactly (error buffers restored).
+  once compression starts) and the optimizer's own bytes; saves checkpoints after steps 1
+  (warm-up) and 4 (compressing) and checks that a fresh engine loading either continues
+  exactly (across freeze_step from the first; error buffers restored from the second).
 - ``zero1``: the same config at ZeRO stage 1 against a plain-torch simulation of its 1-bit
   exchange (:mod:`deepshard.runtime.zero.onebit`) over every rank's gradients, and the
   same exact continuation from a checkpoint (local momenta and errors restored);
@@ -96,16 +97,18 @@ def train(ckpt: str) -> dict:
         own.append(engine.optimizer.last_bytes_sent)
         reference_step(ref, ref_opt, step)
         diffs.append(float((flat(engine.module) - flat(ref)).abs().max()))
-        if step + 1 == SAVE_AT:
-            engine.save_checkpoint(ckpt, tag="at4")
+        if step + 1 in (1, SAVE_AT):  # in the warm-up, and once compressing
+            engine.save_checkpoint(ckpt, tag=f"at{step + 1}")
     final = flat(engine.module)
-    again, *_ = deepshard.initialize(model=mlp(), config=CONFIG)
-    again.load_checkpoint(ckpt, tag="at4")
-    for step in range(SAVE_AT, STEPS):
-        engine_step(again, step)
+    resumed = {}
+    for at in (1, SAVE_AT):  # from the warm-up the run crosses freeze_step
+        again, *_ = deepshard.initialize(model=mlp(), config=CONFIG)
+        again.load_checkpoint(ckpt, tag=f"at{at}")
+        for step in range(at, STEPS):
+            engine_step(again, step)
+        resumed[at] = float((flat(again.module) - final).abs().max())
     return {"diffs": diffs, "dense_bytes": dense, "optimizer_bytes": own,
-            "numel": final.numel(), "resumed_diff": float((flat(again.module) - final)
-                                                         .abs().max())}
+            "numel": final.numel(), "resumed_diff": max(resumed.values())}
 
 
 def zero1_reference(order: list[int]) -> list[torch.Tensor]:
