@@ -187,8 +187,9 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         factor = backward_factor(gas, self.dp_world_size, self.loss_scaler)
         self._monitor.record_loss(loss)
         self._monitor.begin("bwd")
-        self.run_backward(lambda: (loss.float() * factor if factor != 1.0 else loss).backward(
-            retain_graph=retain_graph), boundary)
+        self.run_backward(self._monitor.timed("bwd_inner", lambda: (
+            loss.float() * factor if factor != 1.0 else loss).backward(
+            retain_graph=retain_graph)), boundary)
         self._monitor.end("bwd")
         heartbeat(self.counters.global_steps)
         return loss / gas if gas != 1 else loss

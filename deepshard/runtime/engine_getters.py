@@ -139,8 +139,9 @@ class EngineGetters:
         return self._config.wall_clock_breakdown
 
     def get_wall_clock_timers(self) -> dict[str, float]:
-        """The last optimizer step's forward, backward and step times in ms (``fwd``,
-        ``bwd``, ``step``; empty without ``wall_clock_breakdown``)."""
+        """The last optimizer step's times in ms (DeepSpeed's global timers: ``fwd``,
+        ``bwd``, ``bwd_inner``, ``bwd_allreduce``, ``step``; empty without
+        ``wall_clock_breakdown``)."""
         return self._monitor.wall_clock_timers()
 
     @property

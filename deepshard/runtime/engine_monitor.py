@@ -11,9 +11,10 @@ optimizer step (:meth:`EngineMonitor.step_loss`, :meth:`EngineMonitor.after_step
   heartbeat (on CUDA: the previous step's value, through a non-blocking copy, so the step
   never waits for the device), and, only when a monitor is enabled, the mean over the
   data-parallel group (one all-reduce of a scalar) for ``Train/Samples/train_loss``.
-- **wall_clock_breakdown**: forward, backward and step times of each optimizer step
-  (summed over its micro-batches, in ms); rank 0 logs ``time (ms) | fwd: .. | bwd: .. |
-  step: ..`` (DeepSpeed's line; the mean per step since the last line) every
+- **wall_clock_breakdown**: forward, backward (with its autograd part, ``bwd_inner``, and
+  the rest, ``bwd_allreduce``) and step times of each optimizer step (summed over its
+  micro-batches, in ms); rank 0 logs ``time (ms) | fwd: .. | bwd: .. | bwd_inner: .. |
+  bwd_allreduce: .. | step: ..`` (DeepSpeed's line; the mean per step since the last one) every
   ``steps_per_print`` steps, every step when that is unset as DeepSpeed does.
 - **events** (rank 0, at every optimizer step, step = global samples after it):
   DeepSpeed's ``Train/Samples/lr`` (the first group's lr after the scheduler stepped),
@@ -23,7 +24,8 @@ optimizer step (:meth:`EngineMonitor.step_loss`, :meth:`EngineMonitor.after_step
   ``Train/Samples/grad_norm`` (the global gradient norm, before clipping),
   ``Train/Samples/step_time_ms`` (first forward of the step to the end of its optimizer
   step) and ``Train/Samples/samples_per_second``; with ``wall_clock_breakdown`` also
-  DeepSpeed's ``Train/Samples/elapsed_time_ms_forward``, ``_backward`` and ``_step``.
+  DeepSpeed's ``Train/Samples/elapsed_time_ms_forward``, ``_backward``,
+  ``_backward_inner``, ``_backward_allreduce`` and ``_step``.
 
 The pipeline engine records its last stage's micro-batch losses here (for the heartbeat)
 and writes ``train_loss`` itself, from the mean ``train_batch`` returns on every stage
@@ -35,6 +37,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,8 +47,12 @@ from ..monitor.monitor import MonitorMaster
 
 logger = logging.getLogger("deepshard")
 
-TIMERS = ("fwd", "bwd", "step")
-EVENT_OF_TIMER = {"fwd": "forward", "bwd": "backward", "step": "step"}
+TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+"""DeepSpeed's global timers, in its order. ``bwd_allreduce`` is derived: ``bwd`` less
+``bwd_inner`` (autograd), i.e. the strategy's part of the backward that autograd did not
+overlap (the reduction left at its end)."""
+EVENT_OF_TIMER = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
+                  "bwd_allreduce": "backward_allreduce", "step": "step"}
 
 
 class StepTimers:
@@ -75,6 +82,7 @@ class StepTimers:
         self.step[name] += (time.perf_counter() - started) * 1000.0
 
     def finish_step(self) -> None:
+        self.step["bwd_allreduce"] = max(0.0, self.step["bwd"] - self.step["bwd_inner"])
         self.last = self.step
         self.step = dict.fromkeys(TIMERS, 0.0)
         for name in TIMERS:
@@ -144,6 +152,19 @@ class EngineMonitor:
         """Stop timer ``name``."""
         if self.timers is not None:
             self.timers.end(name)
+
+    def timed(self, name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` under timer ``name`` (``fn`` itself when not timing)."""
+        if self.timers is None:
+            return fn
+
+        def run() -> None:
+            self.timers.begin(name)
+            try:
+                fn()
+            finally:
+                self.timers.end(name)
+        return run
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-batch's loss (detached; no device sync)."""
@@ -237,8 +258,8 @@ class EngineMonitor:
         return found
 
     def wall_clock_timers(self) -> dict[str, float]:
-        """The last optimizer step's times in ms (``fwd``, ``bwd``, ``step``); empty
-        without ``wall_clock_breakdown``."""
+        """The last optimizer step's times in ms (:data:`TIMERS`); empty without
+        ``wall_clock_breakdown``."""
         return dict(self.timers.last) if self.timers is not None else {}
 
     def close(self) -> None:

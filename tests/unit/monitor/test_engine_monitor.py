@@ -69,12 +69,18 @@ def test_events_are_the_steps_values(tmp_path, one_process):
     for (_, value), (losses, *_) in zip(got, seen, strict=True):
         assert value == pytest.approx(sum(losses) / GAS, rel=1e-6)
     for name in ("step_time_ms", "samples_per_second", "elapsed_time_ms_forward",
-                 "elapsed_time_ms_backward", "elapsed_time_ms_step"):
+                 "elapsed_time_ms_backward", "elapsed_time_ms_backward_inner",
+                 "elapsed_time_ms_step"):
         values = rows(job / f"Train_Samples_{name}.csv")
         assert [s for s, _ in values] == samples and all(v > 0 for _, v in values), name
+    backward = rows(job / "Train_Samples_elapsed_time_ms_backward.csv")
+    inner = rows(job / "Train_Samples_elapsed_time_ms_backward_inner.csv")
+    rest = rows(job / "Train_Samples_elapsed_time_ms_backward_allreduce.csv")
+    for (_, b), (_, i), (_, r) in zip(backward, inner, rest, strict=True):
+        assert i <= b and r == pytest.approx(b - i)
     assert not (job / "Train_Samples_loss_scale.csv").exists()  # fp32
     timers = engine.get_wall_clock_timers()
-    assert set(timers) == {"fwd", "bwd", "step"}
+    assert set(timers) == {"fwd", "bwd", "bwd_inner", "bwd_allreduce", "step"}
     assert timers["fwd"] == rows(job / "Train_Samples_elapsed_time_ms_forward.csv")[-1][1]
     assert engine.monitor.enabled and engine.wall_clock_breakdown()
     engine.destroy()  # closes the monitors: the event file is complete
@@ -112,7 +118,8 @@ def test_fp16_writes_the_loss_scale(tmp_path, one_process):
     assert (tmp_path / "j" / "Train_Samples_loss_scale.csv").read_bytes() == want.encode()
 
 
-TIME_LINE = re.compile(r"^time \(ms\) \| fwd: \d+\.\d\d \| bwd: \d+\.\d\d \| step: \d+\.\d\d$")
+TIME_LINE = re.compile(r"^time \(ms\) \| fwd: \d+\.\d\d \| bwd: \d+\.\d\d \| "
+                       r"bwd_inner: \d+\.\d\d \| bwd_allreduce: \d+\.\d\d \| step: \d+\.\d\d$")
 
 
 @pytest.mark.parametrize(("steps_per_print", "lines"), [(None, STEPS), (2, 1)])
