@@ -91,37 +91,48 @@ def zero_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
     return groups
 
 
-def _grouped_bars(ax, groups, value, per_rank=None) -> None:
-    """Bars of ``value(row)`` per group; black dots at ``per_rank(row)`` (each rank)."""
+def _grouped_bars(ax, groups, value, marks=None, mark_label="each rank", marker=".") -> None:
+    """Bars of ``value(row)`` per group; black markers at each of ``marks(row)``."""
     width = 0.38
     for g, (_, members) in enumerate(groups):
         for i, row in enumerate(members):
             x = g + (i - (len(members) - 1) / 2) * width
             series = _series(row)
             ax.bar(x, value(row), width * 0.95, color=COLORS[series], label=series)
-            if per_rank:
-                ranks = per_rank(row)
-                ax.plot([x] * len(ranks), ranks, ".", color="black", markersize=3,
-                        label="each rank")
+            if marks:
+                values = marks(row)
+                ax.plot([x] * len(values), values, marker, color="black",
+                        markersize=3 if marker == "." else 7, label=mark_label)
     ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
 
 
-def _dedup_legend(ax, **kwargs) -> None:
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=8, **kwargs)
+def _layout(fig, top: float = 1.0) -> None:
+    """Tight layout above the footer, leaving ``1 - top`` of the height free at the top."""
+    fig.tight_layout(rect=(0, 0.03, 1, top))
+
+
+def _figure_legend(fig, axes, top: float) -> None:
+    """One legend for all ``axes`` (each label once), centred above them."""
+    unique: dict = {}
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        unique.update(zip(labels, handles, strict=True))
+    fig.legend(unique.values(), unique.keys(), fontsize=8, ncol=4, loc="upper center",
+               bbox_to_anchor=(0.5, top + 0.005), frameon=False)
 
 
 def plot_zero(data: dict):
-    """Two panels: rank 0's median step time, and peak RSS (bar: the highest rank, dots:
-    each rank), per setup; the compute floor as a dashed line."""
+    """Two panels: rank 0's median step time (a tick at its fastest step), and peak RSS
+    (bar: the higher rank, dots: each rank), per setup; the compute floor as a dashed
+    line; one legend above both."""
     groups = zero_groups(data["rows"])
     if not groups:
         raise PlotError("no peer that ran")
     fig, (top, bottom) = _figure(6.6, 2)
-    _grouped_bars(top, groups, lambda r: r["median_s"])
+    _grouped_bars(top, groups, lambda r: r["median_s"], marks=lambda r: [r["min_s"]],
+                  mark_label="fastest step", marker="_")
     floor = next((r for r in data["rows"] if r["runtime"] == "floor" and r["status"] == "ok"),
                  None)
     if floor:
@@ -129,14 +140,16 @@ def plot_zero(data: dict):
                     label="compute floor (no gradient exchange)")
     top.set_ylabel("s / step (rank 0, median)")
     s = data["settings"]
-    top.set_title(f"ZeRO: GPT 27.4M fp32, {s['world']} CPU ranks x {s['threads_per_rank']} "
-                  f"thread, median of {s['rounds']} rounds x {s['steps']} steps", fontsize=10)
-    _dedup_legend(top, loc="lower left", ncol=3)
+    fig.suptitle(f"ZeRO: GPT 27.4M fp32, {s['world']} CPU ranks x {s['threads_per_rank']} "
+                 f"thread, median of {s['rounds']} rounds x {s['steps']} steps", fontsize=10,
+                 y=0.995)
+    top.set_title("Step time (bar: median, tick: fastest step)", fontsize=9)
     _grouped_bars(bottom, groups, lambda r: max(r["peak_rss_mib"]),
-                  per_rank=lambda r: r["peak_rss_mib"])
+                  marks=lambda r: r["peak_rss_mib"])
     bottom.set_ylabel("peak RSS per rank (MiB)")
-    bottom.set_title("Peak resident memory (bar: the higher rank)", fontsize=10)
-    _dedup_legend(bottom, loc="lower left", ncol=3)
+    bottom.set_title("Peak resident memory (bar: the higher rank)", fontsize=9)
+    _layout(fig, top=0.95)
+    _figure_legend(fig, (top, bottom), 0.96)
     return fig
 
 
@@ -167,6 +180,7 @@ def plot_fanout(data: dict):
                  "(labels: ds-run / pdsh)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    _layout(fig)
     return fig
 
 
@@ -219,6 +233,7 @@ def plot_bubble(data: dict):
     top.legend(fontsize=7.5, loc="upper right", ncol=2)
     bottom.set_ylabel("off the theory (%)")
     bottom.set_xlabel("micro-batches per step, m")
+    _layout(fig)
     return fig
 
 
@@ -238,13 +253,14 @@ def plot_launch(data: dict):
         ax.text(r["median_s"] * 1.08, i, f"{r['median_s']:.3f} s (ds-run / this: "
                 f"{r['ds_run_over']:.2f})", va="center", fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlim(min(r["median_s"] for r in rows) / 2, max(r["median_s"] for r in rows) * 8)
+    ax.set_xlim(min(r["median_s"] for r in rows) / 2, max(r["median_s"] for r in rows) * 12)
     ax.invert_yaxis()
     ax.set_xlabel("median wall time (s, log scale)")
     ax.set_title(f"Launch overhead: trivial 2-worker job, median of "
                  f"{data['settings']['rounds']} alternating rounds", fontsize=10)
     ax.grid(axis="x", alpha=0.3, which="both")
     ax.set_axisbelow(True)
+    _layout(fig)
     return fig
 
 
@@ -267,7 +283,6 @@ def draw(name: str, results: Path, out: Path) -> Path:
         what = f"missing field {exc}" if isinstance(exc, KeyError) else f"bad field: {exc}"
         raise PlotError(f"{path}: {what}") from None
     footer(fig, data)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{name}.png"
     fig.savefig(target, dpi=DPI, metadata={"Software": None})
