@@ -85,9 +85,6 @@ MODULES: dict[str, Missing] = {
                                 "provides LoRA layers"),
     "deepspeed.moe": Missing("Mixture of Experts (deepspeed.moe.layer.MoE)", _NOT_YET),
     "deepspeed.sequence": Missing("Ulysses sequence parallelism", _NOT_YET),
-    "deepspeed.monitor": Missing("the TensorBoard/W&B/CSV monitors",
-                                 "log from your script; the config's monitor sections are "
-                                 "accepted and ignored"),
     "deepspeed.compile": Missing("DeepCompile", "call torch.compile on the model"),
     "deepspeed.checkpoint": Missing("universal checkpoints (DeepSpeedCheckpoint, "
                                     "ds_to_universal)", _CHECKPOINTS),
