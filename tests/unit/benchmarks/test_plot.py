@@ -148,3 +148,8 @@ def test_the_command_line_reports_a_missing_record_without_a_traceback(tmp_path)
     assert result.returncode == 2
     assert result.stderr == f"plot.py: {tmp_path / 'zero.json'}: no such file " \
         "(run the benchmark first)\n"
+
+
+def test_the_quietest_round_is_the_lowest_median_of_a_rounds_steps():
+    row = {"step_s": [1.0, 3.0, 2.0, 5.0, 4.0, 6.0, 0.9, 1.1]}
+    assert plot.quietest_round(row, 3) == 1.0  # rounds [1 3 2] [5 4 6] [0.9 1.1]
