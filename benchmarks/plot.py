@@ -180,7 +180,7 @@ def plot_fanout(data: dict):
     ax.plot(hosts, [r["pdsh_s"] for r in rows], "s--", color="#2ca02c",
             label="pdsh -R ssh (worker started directly)")
     for r in rows:
-        ax.annotate(f"{r['ds_run_over_pdsh']:.2f}x", (r["hosts"], r["ds_run_s"]),
+        ax.annotate(f"{r['ds_run_over_pdsh']:.2f}x", (r["hosts"], max(r["ds_run_s"], r["pdsh_s"])),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8,
                     color=COLORS["deepshard"])
     ax.set_xscale("log", base=2)
