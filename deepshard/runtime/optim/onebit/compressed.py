@@ -91,6 +91,13 @@ def compress_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return wire, scales
 
 
+def compression_error(x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x - decompress_rows(compress_rows(x)[0])`` without unpacking the bits: the
+    same signs (``x >= 0``) times the same fp32 scales, so the same values bit for bit."""
+    s = scales.to(torch.float32).reshape(-1, 1)
+    torch.sub(x, torch.where(x >= 0, s, -s), out=out)
+
+
 def decompress_rows(wire: torch.Tensor) -> torch.Tensor:
     """The fp32 rows ``+-scale`` that :func:`compress_rows`'s ``wire`` rows encode."""
     rows, width = wire.shape
@@ -105,8 +112,8 @@ def _worker_phase(buffer: torch.Tensor, worker_error: torch.Tensor,
     """``buffer += worker_error``, compressed per chunk; ``worker_error`` becomes the
     compression error. Returns the wire rows, row ``r`` for rank ``r``."""
     x = buffer.add_(worker_error).view(world, -1)
-    wire, _ = compress_rows(x)
-    torch.sub(x, decompress_rows(wire), out=worker_error.view(world, -1))
+    wire, scales = compress_rows(x)
+    compression_error(x, scales, worker_error.view(world, -1))
     return wire
 
 
@@ -115,8 +122,8 @@ def _server_phase(received: torch.Tensor, server_error: torch.Tensor) -> torch.T
     to one wire row; ``server_error`` becomes its compression error."""
     world = received.shape[0]
     y = decompress_rows(received).div_(world).sum(0).add_(server_error).view(1, -1)
-    wire, _ = compress_rows(y)
-    torch.sub(y.view(-1), decompress_rows(wire).view(-1), out=server_error)
+    wire, scales = compress_rows(y)
+    compression_error(y, scales, server_error.view(1, -1))
     return wire
 
 
