@@ -86,6 +86,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self._flat: torch.Tensor | None = None
         self._errors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._denoms: dict[torch.Tensor, tuple[float, torch.Tensor]] = {}
+        self._work: torch.Tensor | None = None
 
     # ---- the engine protocol ------------------------------------------------------------
 
@@ -160,8 +161,18 @@ class OneBitAdam(torch.optim.Optimizer):
                 if p.grad is not None:
                     state = self.state[p]
                     _apply_update(p, state, group,
-                                  self._denominator(p, state, group["eps"], compressed))
+                                  self._denominator(p, state, group["eps"], compressed),
+                                  self._scratch(p))
         return loss
+
+    def _scratch(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two fp32 work buffers shaped like ``p``, views of two kept as large as the
+        largest parameter (no allocation, no page faults, in a step)."""
+        n = max(q.numel() for q in self._params())
+        kept = self._work
+        if kept is None or kept.shape[1] < n or kept.device != p.device:
+            kept = self._work = torch.empty(2, n, dtype=torch.float32, device=p.device)
+        return kept[0, :p.numel()].view(p.shape), kept[1, :p.numel()].view(p.shape)
 
     def _denominator(self, p: torch.Tensor, state: dict[str, Any], eps: float,
                      frozen: bool) -> torch.Tensor:
@@ -251,10 +262,13 @@ class OneBitAdam(torch.optim.Optimizer):
 
 
 def _apply_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                  denominator: torch.Tensor) -> None:
-    update = state["exp_avg"] / denominator
+                  denominator: torch.Tensor,
+                  work: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``p -= lr * (m / denominator + weight_decay * p)``, rounded as those operations
+    are, in the ``work`` buffers."""
+    update = torch.div(state["exp_avg"], denominator, out=work[0])
     if group["weight_decay"] > 0.0:
-        update += group["weight_decay"] * p
+        update += torch.mul(p, group["weight_decay"], out=work[1])
     p.add_(update.to(p.dtype), alpha=-group["lr"])
 
 

@@ -92,19 +92,33 @@ def compress_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compression_error(x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = x - decompress_rows(compress_rows(x)[0])`` without unpacking the bits: the
-    same signs (``x >= 0``) times the same fp32 scales, so the same values bit for bit."""
-    s = scales.to(torch.float32).reshape(-1, 1)
-    torch.sub(x, torch.where(x >= 0, s, -s), out=out)
+    """``out = x - decompress_rows(compress_rows(x)[0])`` without unpacking the bits, in
+    three passes and no allocation: ``+-scale`` with the sign of ``x + 0.0`` (which turns
+    -0.0 into +0.0, packed as a 1 bit too; a NaN gives a NaN error either way), so the same
+    values bit for bit. ``out`` must not be ``x``."""
+    s = scales.to(torch.float32).reshape(-1, 1).expand_as(x)
+    torch.add(x, 0.0, out=out)
+    torch.copysign(s, out, out=out)
+    torch.sub(x, out, out=out)
 
 
-def decompress_rows(wire: torch.Tensor) -> torch.Tensor:
-    """The fp32 rows ``+-scale`` that :func:`compress_rows`'s ``wire`` rows encode."""
+def decompress_rows(wire: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 rows ``+-scale`` that :func:`compress_rows`'s ``wire`` rows encode (into
+    ``out``, a contiguous fp32 tensor of as many elements, when given)."""
     rows, width = wire.shape
     cols = (width - _SCALE_BYTES) * 8
     scales = wire[:, cols // 8:].clone(memory_format=torch.contiguous_format).view(
         torch.float32)  # (rows, 1), at offset 0 (a view of another dtype needs it aligned)
-    return unpack_signs(wire[:, :cols // 8].contiguous()).view(rows, cols).mul_(scales)
+    bits = wire[:, :cols // 8].contiguous()
+    if out is None or bits.is_cuda:
+        signs = unpack_signs(bits)
+        if out is not None:
+            out.view(-1).copy_(signs)
+            signs = out
+    else:
+        signs = torch.index_select(_unpack_table(bits.device), 0,
+                                   bits.reshape(-1).to(torch.int32), out=out.view(-1, 8))
+    return signs.view(rows, cols).mul_(scales)
 
 
 def _worker_phase(buffer: torch.Tensor, worker_error: torch.Tensor,
@@ -175,7 +189,7 @@ class CompressedAllreduce:
         gathered = torch.empty_like(wire)
         comm.all_gather_into_tensor(gathered.view(-1), server_wire.view(-1), group=self.group,
                                     log_name="compressed_allreduce_all_gather")
-        buffer.copy_(decompress_rows(gathered).view(-1))
+        decompress_rows(gathered, out=buffer)
         self.last_bytes_sent = 2 * (self.world - 1) * wire.shape[1]
         self.bytes_sent += self.last_bytes_sent
 
