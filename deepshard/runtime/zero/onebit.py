@@ -143,6 +143,13 @@ class OneBitZeroStrategy(ZeroStrategy):
         comm.all_to_all_single(received, wire, group=self.group)
         return decompress_rows(received).mean(0)[:shard]
 
+    def state_bytes(self, module, optimizer) -> dict[str, int]:
+        """ZeRO's, plus the local momenta and worker errors once compression began."""
+        held = super().state_bytes(module, optimizer)
+        extra = [*(self.local or ()), *(self.errors or ())]
+        held["optimizer"] += sum(t.numel() * t.element_size() for t in extra)
+        return held
+
     # -- checkpoints ------------------------------------------------------------------
     def own_state(self, optimizer) -> dict | None:
         if self.local is None:

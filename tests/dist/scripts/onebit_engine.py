@@ -180,7 +180,9 @@ def zero1(ckpt: str) -> dict:
     for step in range(SAVE_AT, STEPS):
         engine_step(again, step)
     return {"diffs": diffs, "resumed_diff": float((flat(again.module) - flat(engine.module))
-                                                  .abs().max())}
+                                                  .abs().max()),
+            "held": engine.state_bytes()["optimizer"], "padded": group.spec.padded,
+            "shard": group.spec.shard}
 
 
 def resume(ckpt: str) -> dict:
