@@ -67,11 +67,13 @@ def _compressed_zero(cfg, zero, optimizer) -> DataParallelStrategy:
 
     name, stage = type(optimizer).__name__, cfg.zero_optimization.stage
     if stage != 1 or not isinstance(optimizer, OneBitAdam):
+        zero.close()  # its hooks: the caller may catch the error and go on
         raise UsageError(f"{name} at ZeRO stage {stage}", where="zero_optimization.stage",
                          hint=f"{name} communicates its compressed momentum in its own "
                               "step: use stage 0 (OneBitAdam: 0 or 1)")
     try:
         return OneBitZeroStrategy.over(zero, optimizer)
     except ValueError as err:
+        zero.close()
         raise UsageError(str(err), where="optimizer param groups",
                          hint="drop exp_avg_mask, or use zero_optimization.stage 0") from err

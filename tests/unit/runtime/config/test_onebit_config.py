@@ -92,3 +92,21 @@ def test_stages_a_one_bit_optimizer_cannot_run_at(one_process, type_name, stage,
                           if type_name != "ZeroOneAdam" else {}}})
     assert hint in err.value.hint
     assert err.value.where.endswith(("zero_optimization.stage", "optimizer.type"))
+
+
+def test_a_client_one_bit_optimizer_gets_the_same_rules(one_process):
+    from deepshard.runtime.optim.onebit import OneBitAdam, ZeroOneAdam
+
+    for stage, cls in ((1, ZeroOneAdam), (2, OneBitAdam)):
+        model = tiny()
+        with pytest.raises(UsageError) as err:
+            deepshard.initialize(model=model, optimizer=cls(model.parameters(), lr=1e-3),
+                                 config={"train_batch_size": 2,
+                                         "zero_optimization": {"stage": stage}})
+        assert err.value.message == f"{cls.__name__} at ZeRO stage {stage}"
+        assert err.value.where == "zero_optimization.stage"
+    model = tiny()
+    engine, *_ = deepshard.initialize(model=model, optimizer=OneBitAdam(model.parameters()),
+                                      config={"train_batch_size": 2,
+                                              "zero_optimization": {"stage": 1}})
+    assert type(engine.strategy).__name__ == "OneBitZeroStrategy"
