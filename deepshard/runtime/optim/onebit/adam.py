@@ -18,6 +18,7 @@ import torch
 import deepshard.comm as comm
 
 from .compressed import CompressedAllreduce
+from .flat import keep_current_masks
 
 _BACKENDS = ("nccl", "mpi", "hccl", "compressed", "gloo")
 
@@ -127,13 +128,7 @@ class OneBitAdam(torch.optim.Optimizer):
         """Load ``state_dict``, keeping this optimizer's ``exp_avg_mask`` (as DeepSpeed:
         masks come from the training script, not the checkpoint); the flat momentum buffer
         is rebuilt from the loaded ``exp_avg`` and the compression errors are reset."""
-        groups = []
-        for ours, theirs in zip(self.param_groups, state_dict["param_groups"], strict=False):
-            theirs = {k: v for k, v in theirs.items() if k != "exp_avg_mask"}
-            if "exp_avg_mask" in ours:
-                theirs["exp_avg_mask"] = ours["exp_avg_mask"]
-            groups.append(theirs)
-        super().load_state_dict({**state_dict, "param_groups": groups})
+        super().load_state_dict(keep_current_masks(self.param_groups, state_dict))
         self._denoms.clear()
         self._flat = None
         self._errors = None

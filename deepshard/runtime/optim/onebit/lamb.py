@@ -3,7 +3,7 @@
 DeepSpeed removed its 1-bit optimizers; configs naming ``OneBitLamb`` must still train the
 same way here. As in DeepSpeed, every parameter's momentum lives in one flat padded buffer,
 compressed and all-reduced once per step after the warm-up; per-rank compression errors live
-outside ``self.state``. The flat layout is :class:`~.zoadam.FlatParams`.
+outside ``self.state``. The flat layout is :class:`~.flat.FlatParams`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .zoadam import DEEPSPEED_INIT_STEPS, FlatParams, apply_masks, check_common, keep_current_masks
+from .flat import (
+    DEEPSPEED_INIT_STEPS,
+    FlatParams,
+    apply_masks,
+    check_common,
+    keep_current_masks,
+    restore_errors,
+)
 
 
 def norm(x: torch.Tensor) -> float:
@@ -36,7 +43,7 @@ class OneBitLamb(torch.optim.Optimizer):
     """1-bit LAMB as DeepSpeed's ``OnebitLamb`` computes it, on a torch.distributed group.
 
     With ``t = step + 1`` (DeepSpeed's counter, see
-    :data:`~.zoadam.DEEPSPEED_INIT_STEPS`), per parameter, ``d = sqrt(v) + eps``:
+    :data:`~.flat.DEEPSPEED_INIT_STEPS`), per parameter, ``d = sqrt(v) + eps``:
 
     * warm-up, the first ``max(freeze_step - 1, 1)`` updates, on the data-parallel average
       gradient ``g``: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2`` (at ``t ==
@@ -153,13 +160,7 @@ class OneBitLamb(torch.optim.Optimizer):
         """Restore :meth:`error_state`'s buffers; None, or a missing or mismatched entry,
         resets them to zeros."""
         self._ensure_built()
-        ok = errors is not None and set(errors) == set(self._local) and all(
-            errors[k].shape == v.shape for k, v in self._local.items())
-        for key, buffer in self._local.items():
-            if ok:
-                buffer.copy_(errors[key])
-            else:
-                buffer.zero_()
+        restore_errors(self._local, errors)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The LAMB coefficients of the last step, one per parameter (DeepSpeed's API)."""
