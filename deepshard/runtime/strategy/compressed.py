@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ...comm import collectives as comm
 from ..buckets import GradBuckets
 from ..precision import MasterWeights, global_norm
 from .stage0 import Stage0Strategy
@@ -37,7 +38,47 @@ def communicates_in_step(optimizer: object) -> bool:
     return callable(getattr(optimizer, "communicates_next_step", None))
 
 
-class CompressedStage0Strategy(Stage0Strategy):
+class LocalGradients:
+    """The switch both compressed strategies share (mixed in before the strategy): while
+    :meth:`local_step`, backward reduces nothing and the norm is the root mean square of
+    the ranks' local norms. Needs ``optimizer``, ``world``, ``group`` and
+    :meth:`gradient_buckets`."""
+
+    optimizer: torch.optim.Optimizer
+    world: int
+    group: dist.ProcessGroup | None
+
+    def gradient_buckets(self) -> GradBuckets:
+        """The strategy's gradient buffers (stage 0's buckets, stage 1's flat groups)."""
+        raise NotImplementedError
+
+    def local_step(self) -> bool:
+        """The coming step takes this rank's own gradients (no dense all-reduce)."""
+        return self.world > 1 and bool(self.optimizer.communicates_next_step())
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.gradient_buckets().begin_backward(boundary and not self.local_step())
+
+    def end_backward(self, boundary: bool) -> None:
+        buckets = self.gradient_buckets()
+        buckets.end_backward()
+        if boundary and not self.local_step():
+            buckets.finish()
+
+    def reduce_now(self) -> None:
+        if not self.local_step():
+            self.gradient_buckets().reduce_all()
+
+    def gradient_norm(self, grads: Sequence[torch.Tensor], excluded: frozenset[int],
+                      mp_group: dist.ProcessGroup | None) -> torch.Tensor:
+        if not self.local_step():
+            return super().gradient_norm(grads, excluded, mp_group)  # type: ignore[misc]
+        sq = global_norm(grads).square()
+        comm.all_reduce(sq, group=self.group)
+        return (sq / self.world).sqrt()
+
+
+class CompressedStage0Strategy(LocalGradients, Stage0Strategy):
     """Stage 0 whose dense all-reduce stops while the optimizer communicates itself."""
 
     def __init__(self, buckets: GradBuckets, masters: MasterWeights | None,
@@ -45,22 +86,8 @@ class CompressedStage0Strategy(Stage0Strategy):
         super().__init__(buckets, masters, names)
         self.optimizer = optimizer
 
-    def local_step(self) -> bool:
-        """The coming step takes this rank's own gradients (no dense all-reduce)."""
-        return self.world > 1 and bool(self.optimizer.communicates_next_step())
-
-    # -- backward ---------------------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        self.buckets.begin_backward(boundary and not self.local_step())
-
-    def end_backward(self, boundary: bool) -> None:
-        self.buckets.end_backward()
-        if boundary and not self.local_step():
-            self.buckets.finish()
-
-    def reduce_now(self) -> None:
-        if not self.local_step():
-            self.buckets.reduce_all()
+    def gradient_buckets(self) -> GradBuckets:
+        return self.buckets
 
     # -- the step ---------------------------------------------------------------------
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
@@ -72,14 +99,6 @@ class CompressedStage0Strategy(Stage0Strategy):
             return self.buckets.buffers
         self.masters.load_grads(self.buckets.buffers, inv_scale * self.world)
         return self.masters.grad_flats
-
-    def gradient_norm(self, grads: Sequence[torch.Tensor], excluded: frozenset[int],
-                      mp_group: dist.ProcessGroup | None) -> torch.Tensor:
-        if not self.local_step():
-            return super().gradient_norm(grads, excluded, mp_group)
-        sq = global_norm(grads).square()
-        dist.all_reduce(sq, group=self.group)
-        return (sq / self.world).sqrt()
 
     # -- checkpoints ------------------------------------------------------------------
     def own_state(self, optimizer) -> dict:

@@ -8,7 +8,7 @@ averaged momentum when compression begins; the mean of the ``m_i`` is then exact
 momentum of the averaged gradients), adds its worker error, and compresses chunk ``r`` —
 rank ``r``'s shard — to signs and one RMS scale; one all-to-all hands every owner its
 chunk from everyone, whose average is the shard's momentum (``exp_avg``). The owner
-updates its shard with the frozen variance (:mod:`..optim.onebit.adam`'s formula) and
+updates its shard with the frozen variance (``OneBitAdam.update_parameter``) and
 ZeRO's parameter all-gather follows as at every stage-1 step. Unlike stage 0 there is no
 server phase: the average stays with the rank that steps it. A step moves one bit per
 element through the all-to-all instead of the gradient's reduce-scatter.
@@ -20,7 +20,6 @@ world size they start again from the averaged momentum and zero (one log line).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -28,14 +27,15 @@ import torch.distributed as dist
 
 from ...comm import collectives as comm
 from ..optim.onebit.compressed import compress_rows, decompress_rows
-from ..precision import global_norm
+from ..strategy.compressed import LocalGradients
 from .runtime import ZeroStrategy
+from .stage1 import Stage1Grads
 
 logger = logging.getLogger("deepshard")
 
 
 @dataclass(eq=False)
-class OneBitZeroStrategy(ZeroStrategy):
+class OneBitZeroStrategy(LocalGradients, ZeroStrategy):
     """ZeRO stage 1 whose gradient reduction becomes 1-bit momentum exchange (module
     docstring) while ``optimizer.communicates_next_step()``."""
 
@@ -54,22 +54,8 @@ class OneBitZeroStrategy(ZeroStrategy):
         return cls(**{f.name: getattr(zero, f.name) for f in fields(ZeroStrategy)},
                    optimizer=optimizer)
 
-    def local_step(self) -> bool:
-        """The coming step exchanges compressed momentum instead of reducing gradients."""
-        return self.world > 1 and bool(self.optimizer.communicates_next_step())
-
-    # -- backward ---------------------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        self.grads.begin_backward(boundary and not self.local_step())
-
-    def end_backward(self, boundary: bool) -> None:
-        self.grads.end_backward()
-        if boundary and not self.local_step():
-            self.grads.finish()
-
-    def reduce_now(self) -> None:
-        if not self.local_step():
-            self.grads.reduce_all()
+    def gradient_buckets(self) -> Stage1Grads:
+        return self.grads
 
     # -- the step ---------------------------------------------------------------------
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
@@ -84,14 +70,6 @@ class OneBitZeroStrategy(ZeroStrategy):
         else:  # fp16/bf16 gradients: the loss scale undone in fp32 (a transient copy)
             self._local_grads = [b.float().mul_(factor) for b in buffers]
         return self._local_grads
-
-    def gradient_norm(self, grads: Sequence[torch.Tensor], excluded: frozenset[int],
-                      mp_group: dist.ProcessGroup | None) -> torch.Tensor:
-        if not self.local_step():
-            return super().gradient_norm(grads, excluded, mp_group)
-        sq = global_norm(grads).square()  # the root mean square of the local norms
-        comm.all_reduce(sq, group=self.group)
-        return (sq / self.world).sqrt()
 
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.local_step():
@@ -123,10 +101,7 @@ class OneBitZeroStrategy(ZeroStrategy):
         state["exp_avg"].copy_(self._exchange(m, self.errors[k], numel)
                                .view_as(state["exp_avg"]))
         state["step"] += 1
-        update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + opt_group["eps"])
-        if opt_group["weight_decay"] > 0.0:
-            update += opt_group["weight_decay"] * t
-        t.add_(update.to(t.dtype), alpha=-opt_group["lr"])
+        self.optimizer.update_parameter(t, opt_group, frozen=True)
 
     def _exchange(self, m: torch.Tensor, error: torch.Tensor, numel: int) -> torch.Tensor:
         """This rank's shard of the mean over ranks of ``m + error``, sent compressed;

@@ -154,11 +154,16 @@ class OneBitAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 self.state[p]["step"] += 1
                 if p.grad is not None:
-                    state = self.state[p]
-                    _apply_update(p, state, group,
-                                  self._denominator(p, state, group["eps"], compressed),
-                                  self._scratch(p))
+                    self.update_parameter(p, group, frozen=compressed)
         return loss
+
+    def update_parameter(self, p: torch.Tensor, group: dict[str, Any], frozen: bool) -> None:
+        """``p -= lr * (exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p)`` from
+        ``p``'s state (``frozen``: the variance no longer changes, its denominator is kept);
+        also ZeRO stage 1's update of its shards (:mod:`deepshard.runtime.zero.onebit`)."""
+        state = self.state[p]
+        _apply_update(p, state, group, self._denominator(p, state, group["eps"], frozen),
+                      self._scratch(p))
 
     def _scratch(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two fp32 work buffers shaped like ``p``, views of two kept as large as the
