@@ -18,6 +18,7 @@ import torch
 
 from deepshard.runtime.optim.onebit.compressed import padded_numel, simulate
 from deepshard.runtime.optim.onebit.lamb import OneBitLamb
+from tests.unit.runtime.optim.onebit.nets import backward, mask_of, model, run
 
 
 class ReferenceOneBitLamb:
@@ -143,25 +144,8 @@ class ReferenceOneBitLamb:
         p.add_(-self.lrs[i] * coeff * update)
 
 
-def model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
-
-
-def backward(net: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    net.zero_grad()
-    net(torch.randn(7, 5, generator=gen)).square().sum().backward()
-
-
 HP = dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, coeff_beta=0.7, factor_threshold=0.2)
 FREEZE = 6  # DeepSpeed's counter reaches 6 at update 5: five warm-up updates
-
-
-def mask_of(net: torch.nn.Module) -> torch.Tensor:
-    mask = torch.ones_like(net[2].weight)
-    mask[1] = 0.0
-    return mask
 
 
 def groups_of(net: torch.nn.Module) -> list[dict]:
@@ -224,12 +208,6 @@ def test_warm_up_then_compression_follow_deepspeeds_onebit_lamb(one_rank_group):
 def test_freeze_step_below_two_still_warms_up_once(one_rank_group):
     opt = OneBitLamb(model().parameters(), freeze_step=0)
     assert opt.warmup_steps() == 1 and not opt.communicates_next_step()
-
-
-def run(opt, net, steps):
-    for k in steps:
-        backward(net, k)
-        opt.step()
 
 
 def test_checkpoint_state_is_shared_and_a_resume_continues_exactly(one_rank_group):

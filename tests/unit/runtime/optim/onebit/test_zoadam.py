@@ -17,6 +17,7 @@ import torch
 
 from deepshard.runtime.optim.onebit.compressed import padded_numel, simulate
 from deepshard.runtime.optim.onebit.zoadam import ZeroOneAdam
+from tests.unit.runtime.optim.onebit.nets import backward, mask_of, model, run
 
 
 class ReferenceZeroOneAdam:
@@ -137,17 +138,6 @@ class ReferenceZeroOneAdam:
         self.lr_sum = [0.0] * len(self.lr_sum)
 
 
-def model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
-
-
-def backward(net: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    net.zero_grad()
-    net(torch.randn(7, 5, generator=gen)).square().sum().backward()
-
-
 HP = dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
 SCHEDULE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=2,
                 local_step_clipper=4)
@@ -159,12 +149,6 @@ SCHEDULE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=2,
 VARIANCE_STEPS = {1, 2, 3, 5, 7, 11}
 SYNC_STEPS = {13, 14, 15, 19, 23}
 STEPS = 24
-
-
-def mask_of(net: torch.nn.Module) -> torch.Tensor:
-    mask = torch.ones_like(net[2].weight)
-    mask[1] = 0.0
-    return mask
 
 
 def groups_of(net: torch.nn.Module, lr2: float = 0.02) -> list[dict]:
@@ -235,12 +219,6 @@ def test_masked_momentum_stays_zero(one_rank_group):
         if k in SYNC_STEPS:  # m = -u / lrs, u masked (the variance phase masks C(g) only)
             assert torch.all(opt.state[net[2].weight]["exp_avg"][1] == 0), k
     assert torch.all(opt.state[net[2].weight]["exp_avg"][0] != 0)
-
-
-def run(opt, net, steps):
-    for k in steps:
-        backward(net, k)
-        opt.step()
 
 
 def test_checkpoint_state_is_shared_and_a_resume_at_a_sync_continues_exactly(one_rank_group):
