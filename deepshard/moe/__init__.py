@@ -1,3 +1,6 @@
-"""``deepspeed.moe``: Mixture of Experts. So far the parameter-group helpers scripts import
-at the top whether or not they build an MoE model (DeepSpeedExamples' cifar10 script);
-the MoE layer itself is not provided yet."""
+"""``deepspeed.moe``: Mixture of Experts with expert parallelism.
+
+``layer.MoE`` (DeepSpeed's layer), ``sharded_moe`` (gate, gating functions, the layer that
+exchanges tokens), ``experts.Experts``, ``groups`` (expert-parallel process groups,
+:func:`~deepshard.moe.groups.configure`), ``utils`` (expert parameters and their optimizer
+groups). Importing this package does not import the layer modules."""
