@@ -8,7 +8,7 @@ and the local experts run as one grouped matmul (``experts.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -28,7 +28,9 @@ from .gating import (
     top2gating,
     topkgating,
 )
-from .groups import ExpertGroups
+
+if TYPE_CHECKING:
+    from .groups import ExpertGroups
 
 __all__ = ["MOELayer", "TopKGate", "_AllToAll", "_capacity", "gumbel_rsample",
            "multiplicative_jitter", "top1gating", "top2gating", "topkgating"]
@@ -160,9 +162,8 @@ class MOELayer(Module):
         self.l_aux, routes, self.exp_counts = self.gate.route(
             tokens, used_token)
         p = plan(routes, self.ep_size, self.ep_group)
-        if self.ep_size > 1:
-            ep_rank = self.expert_groups.ep_rank
-            self.sent_rows = sum(p.send) - p.send[ep_rank]
+        if self.expert_groups is not None:
+            self.sent_rows = sum(p.send) - p.send[self.expert_groups.ep_rank]
         buffer = dispatch(tokens, p, self.ep_size, self.ep_group)
         out = self.experts.grouped(buffer, p.local_counts)
         out = combine(out, p, tokens.shape[0], self.ep_size, self.ep_group)
