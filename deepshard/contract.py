@@ -39,6 +39,10 @@ RUN_ID = "DEEPSHARD_RUN_ID"
 """Identifies one ``ds-run`` invocation; the same across restarts of the job."""
 RESTART_COUNT = "DEEPSHARD_RESTART_COUNT"
 """How many times the job was relaunched (0 on the first attempt)."""
+ELASTIC = "DEEPSHARD_ELASTIC"
+"""``1`` when ``ds-run --elastic_training`` runs the job: its world size may change between
+relaunches, so the runtime keeps ``train_batch_size`` and the micro batch and derives
+``gradient_accumulation_steps`` from the world size."""
 HEARTBEAT_FILE = "DEEPSHARD_HEARTBEAT_FILE"
 """Where :func:`deepshard.heartbeat` marks this worker alive (set by the agent)."""
 
@@ -234,12 +238,17 @@ class WorkerStats:
     loss: float | None = None
     """The last loss it reported (the engine's step, :func:`deepshard.report`); ``None``
     before one."""
+    ckpt: int = -1
+    """The step of the last complete checkpoint it wrote
+    (:func:`deepshard.liveness.checkpoint_saved`); -1 before one."""
 
     def to_wire(self) -> dict[str, object]:
         wire: dict[str, object] = {"step": self.step, "beat_age": self.beat_age}
         for key in ("rss", "cpu", "loss"):
             if getattr(self, key) is not None:
                 wire[key] = getattr(self, key)
+        if self.ckpt >= 0:
+            wire["ckpt"] = self.ckpt
         return wire
 
     @classmethod
@@ -248,7 +257,8 @@ class WorkerStats:
                    beat_age=_as_opt_float(_take(fields, "beat_age", None), "beat_age"),
                    rss=_as_opt_int(_take(fields, "rss", None), "rss"),
                    cpu=_as_opt_float(_take(fields, "cpu", None), "cpu"),
-                   loss=_as_opt_float(_take(fields, "loss", None), "loss"))
+                   loss=_as_opt_float(_take(fields, "loss", None), "loss"),
+                   ckpt=_as_int(_take(fields, "ckpt", -1), "ckpt"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,6 +32,10 @@ RECORD = struct.Struct("<qqqqd")
 was reported else 0, that loss); 0 ns = never beaten. The pid is where the agent sends
 :data:`STACK_DUMP_SIGNAL`: the worker's own process may be a wrapper (a shell, a
 launcher) that never registered the handler."""
+CHECKPOINT = struct.Struct("<q")
+"""After :data:`RECORD`: 1 + the step of the last complete checkpoint this worker wrote
+(0: none), which tells ds-run ``--elastic_training`` when a returning host may join."""
+FILE_SIZE = RECORD.size + CHECKPOINT.size
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 """The agent sends this to a hung worker, whose faulthandler then prints every thread's
 Python stack to stderr (its log)."""
@@ -57,7 +61,7 @@ class _Beater:
     def __init__(self, path: str):
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, RECORD.size)
+            self._map = mmap.mmap(fd, FILE_SIZE)
         finally:
             os.close(fd)
         self._pid = os.getpid()
@@ -69,6 +73,9 @@ class _Beater:
         last = self._loss
         RECORD.pack_into(self._map, 0, time.monotonic_ns(), step, self._pid,
                          0 if last is None else 1, 0.0 if last is None else last)
+
+    def checkpointed(self, step: int) -> None:
+        CHECKPOINT.pack_into(self._map, RECORD.size, step + 1)
 
 
 @functools.cache
@@ -90,6 +97,17 @@ def heartbeat(step: int | None = None, loss: float | None = None) -> None:
         beater = _beater(path)
         if beater is not None:
             beater.beat(-1 if step is None else step, None if loss is None else float(loss))
+
+
+def checkpoint_saved(step: int) -> None:
+    """Tell the launcher that a complete checkpoint of ``step`` exists (the engine calls it
+    once ``save_checkpoint`` has committed one; a script that saves its own checkpoints
+    may call it too). ``ds-run --elastic_training`` grows the job back at such a point."""
+    path = os.environ.get(contract.HEARTBEAT_FILE)
+    if path:
+        beater = _beater(path)
+        if beater is not None:
+            beater.checkpointed(step)
 
 
 def report(step: int, loss: float | None = None) -> None:
@@ -117,3 +135,13 @@ def read_heartbeat(path: str) -> tuple[int, int, int, float | None]:
         return 0, -1, 0, None
     beat_ns, step, pid, has_loss, loss = RECORD.unpack(data)
     return beat_ns, step, pid, loss if has_loss else None
+
+
+def read_checkpoint(path: str) -> int:
+    """The step of the last complete checkpoint the worker reported, or -1."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, CHECKPOINT.size, RECORD.size)
+    finally:
+        os.close(fd)
+    return CHECKPOINT.unpack(data)[0] - 1 if len(data) == CHECKPOINT.size else -1

@@ -39,7 +39,7 @@ import time
 import types
 
 from .. import contract
-from ..liveness import RECORD, STACK_DUMP_SIGNAL, read_heartbeat
+from ..liveness import FILE_SIZE, STACK_DUMP_SIGNAL, read_checkpoint, read_heartbeat
 from . import procs
 
 # Start-up cost matters here (one agent per host, all at once): no dataclasses, pathlib or
@@ -265,12 +265,13 @@ class Agent:
                 continue
             try:
                 beat_ns, step, beat_pid, loss = read_heartbeat(w.beat_file)
+                ckpt = read_checkpoint(w.beat_file)
             except OSError:
-                beat_ns, step, beat_pid, loss = 0, -1, 0, None
+                beat_ns, step, beat_pid, loss, ckpt = 0, -1, 0, None, -1
             age = (now_ns - beat_ns) / 1e9 if beat_ns else None
             rss, cpu = self._probe.worker(w)
             workers[w.plan.rank] = contract.WorkerStats(step=step, beat_age=age, rss=rss,
-                                                        cpu=cpu, loss=loss)
+                                                        cpu=cpu, loss=loss, ckpt=ckpt)
             hang = self.node.hang_timeout
             if hang and age is not None and age > hang:
                 hung.append((-age, step, w, beat_pid))
@@ -326,7 +327,7 @@ class Agent:
             env.update(plan.env)
             beat_file = os.path.join(self._beat_dir, f"rank_{plan.rank}")
             with open(beat_file, "wb") as f:
-                f.write(bytes(RECORD.size))
+                f.write(bytes(FILE_SIZE))
             env[contract.HEARTBEAT_FILE] = beat_file
             if contract.OMP_NUM_THREADS not in env:
                 threads = len(blocks[i]) if blocks else max(1, len(cores) // len(node.workers))

@@ -34,7 +34,14 @@ from .hostfile import read_hostfile
 from .options import LaunchOptions
 from .placement import place, select
 from .plan import LaunchPlan, build_plan
-from .resources import gpu_ids, interface_addresses, is_local, local_names, probe_local
+from .resources import (
+    Resources,
+    gpu_ids,
+    interface_addresses,
+    is_local,
+    local_names,
+    probe_local,
+)
 from .selectors import visible_devices_pool
 from .slurm_env import allocation_resources, expand_nodelist, in_allocation
 from .spawn import DEFAULT_HOSTFILE
@@ -42,7 +49,9 @@ from .supervisor import Outcome, supervise
 
 if TYPE_CHECKING:
     import subprocess
+    from collections.abc import Callable
 
+    from ..contract import AgentEvent
     from .live import LiveView
 
     Spawned = list[subprocess.Popen[bytes]]
@@ -102,6 +111,16 @@ if TYPE_CHECKING:
               help="The workers' `import deepspeed` gets deepshard (deepspeed.x.y is "
                    "deepshard.x.y), so a DeepSpeed script runs unedited; no DeepSpeed is "
                    "installed or needed.")
+@click.option("--elastic_training", is_flag=True,
+              help="Elastic: a lost node (or one whose workers fail twice in a row) is left "
+                   "out and the job relaunched on the others, resuming from its checkpoint; "
+                   "a lost node that comes back rejoins.")
+@click.option("--min_elastic_nodes", type=click.IntRange(min=1), default=None,
+              help="Elastic: fewer usable nodes end the job [default: 1].")
+@click.option("--max_elastic_nodes", type=click.IntRange(min=1), default=None,
+              help="Elastic: at most this many nodes at once [default: every host].")
+@click.option("--elastic_probe_interval", type=click.FloatRange(min=0.1), default=60.0,
+              show_default=True, help="Elastic: seconds between probes of lost nodes.")
 @click.option("--dry_run", is_flag=True, help="Print the launch plan and exit.")
 @click.version_option(__version__, "--version", prog_name="ds-run")
 @click.argument("user_script")
@@ -151,6 +170,8 @@ def launch(options: LaunchOptions, spawned: Spawned | None = None) -> int:
     # an attempt the coordinator's own handlers take over
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
+        if options.elastic_training:
+            return launch_elastic(options, first, backend, live, run_id, restarts_before)
         backend.prepare(first.nodes)  # a host that cannot be reached: exit 2, nothing ran
         return supervise(attempt, options.max_restarts, err=sys.stderr)
     except _Stopped as stop:
@@ -174,12 +195,68 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stopped(signum)
 
 
+def launch_elastic(options: LaunchOptions, full: LaunchPlan, backend: Backend, live: bool,
+                   run_id: str, restarts_before: int) -> int:
+    """``--elastic_training``: :func:`.elastic.supervise_elastic` over this CLI's planning,
+    attempts and the preflight probe."""
+    from .elastic import Attempt, Session, make_policy, supervise_elastic
+
+    def plan_for(hosts: tuple[str, ...], restart: int) -> LaunchPlan:
+        return make_plan(options, run_id=run_id, restart_count=restarts_before + restart,
+                         hosts=hosts)
+
+    def attempt(plan: LaunchPlan, restart: int, session: Session) -> Attempt:
+        started: list[Coordinator] = []
+
+        def watch(coordinator: Coordinator) -> None:
+            started.append(coordinator)
+            session.attach(coordinator)
+
+        try:
+            outcome = run_attempt(plan, backend, options, live, restart,
+                                  observer=session.observe, watch=watch)
+        finally:
+            session.attach(None)
+        return Attempt(outcome.code, started[0])
+
+    slots = {n.host: len(n.workers) for n in full.nodes}
+    return supervise_elastic(options, make_policy(options, full), backend=backend,
+                             plan_for=plan_for, attempt=attempt, err=sys.stderr,
+                             probe=lambda host: probe_host(options, host, slots[host]))
+
+
+def probe_host(options: LaunchOptions, host: str, slots: int) -> str | None:
+    """Why ``host`` cannot rejoin the job (``None``: it can): reachable, and ``ds_report
+    --hostfile``'s preflight passes there (under SLURM: a step starts on it)."""
+    if options.launcher == "slurm":
+        import subprocess
+
+        probe = subprocess.run(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
+                                "--overlap", "--quiet", "true"], capture_output=True,
+                               text=True, timeout=max(30.0, options.ssh_connect_timeout),
+                               check=False)
+        return None if probe.returncode == 0 else (probe.stderr.strip() or "srun failed")
+    from .report.preflight import preflight
+    from .resources import Host, Resources
+
+    check = preflight(Resources((Host(host, tuple(range(slots))),), "elastic probe"),
+                      cwd=os.getcwd(), master_port=0, ssh_port=options.ssh_port,
+                      remote_python=options.remote_python,
+                      timeout=options.ssh_connect_timeout)[0]
+    return None if check.ok else "; ".join(check.problems)
+
+
 def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live: bool,
-                restart: int) -> Outcome:
-    """One attempt of the job, with the live view when asked."""
+                restart: int, *,
+                observer: Callable[[str, AgentEvent], None] | None = None,
+                watch: Callable[[Coordinator], None] | None = None) -> Outcome:
+    """One attempt of the job, with the live view when asked; ``observer`` sees every
+    agent event, ``watch`` the coordinator before it runs."""
     def coordinate(view: LiveView | None) -> Outcome:
         coordinator = Coordinator(plan, backend, monitor_timeout=options.monitor_timeout,
-                                  view=view)
+                                  view=view, observer=observer)
+        if watch is not None:
+            watch(coordinator)
         code = coordinator.run()
         return Outcome(code, restartable=coordinator.failure is not None
                        and coordinator.stop_signal is None)
@@ -224,9 +301,11 @@ def shown_commands(options: LaunchOptions, plan: LaunchPlan) -> dict[str, list[s
             if (command := backend.shown_command(n)) is not None}
 
 
-def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) -> LaunchPlan:
+def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0,
+              hosts: tuple[str, ...] | None = None) -> LaunchPlan:
     """Every check and decision before anything starts; pure but for reading named files
-    (and choosing a free port)."""
+    (and choosing a free port). ``hosts``: only these of the selected hosts (elastic
+    training's current membership)."""
     check_script(options)
     check_log_dir(options.log_dir)
     hostfile = options.hostfile
@@ -259,6 +338,9 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0) ->
     selected = select(resources, include_text=options.include, exclude_text=options.exclude,
                       num_nodes=options.num_nodes,
                       num_gpus=options.num_gpus)
+    if hosts is not None:
+        selected = Resources(tuple(h for h in selected.hosts if h.name in hosts),
+                             selected.origin)
     placement = place(selected)
     # under SLURM every node's agent is an srun step, this node's too
     locality = {n.host: options.launcher != "slurm" and is_local(n.host, names)

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
@@ -40,6 +41,9 @@ class Failure:
     rank: int | None
     returncode: int | None
     reason: str
+    lost: bool = False
+    """The host itself is gone (its channel closed, it fell silent, it could not be
+    started), rather than one of its workers failing."""
 
     @property
     def exit_code(self) -> int:
@@ -125,7 +129,12 @@ class _StopRequested:
     signum: int
 
 
-_Message = _FromAgent | _ChannelClosed | _StopRequested
+@dataclass(frozen=True)
+class _Regroup:
+    reason: str
+
+
+_Message = _FromAgent | _ChannelClosed | _StopRequested | _Regroup
 """What reaches the coordinator's loop: from the channels' threads and signal handlers."""
 
 
@@ -134,7 +143,8 @@ class Coordinator:
 
     def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO | None = None,
                  err: TextIO | None = None, monitor_timeout: float = 30.0,
-                 view: LiveView | None = None):
+                 view: LiveView | None = None,
+                 observer: Callable[[str, contract.AgentEvent], None] | None = None):
         self.plan = plan
         self.backend = backend
         self.out = sys.stdout if out is None else out
@@ -150,6 +160,15 @@ class Coordinator:
         self.stop_signal: int | None = None
         self._stopping = False
         self._give_up_at: float | None = None
+        self.observer = observer
+        """Called on the coordinator's thread with (host, event) for every agent event
+        (elastic training watches the checkpoints the workers report)."""
+        self.lost_hosts: list[str] = []
+        """Every host whose channel was lost during the attempt (before we killed any):
+        a node's death makes the workers of the others fail too, often first."""
+        self.regrouped: str | None = None
+        """Why :meth:`regroup` stopped the attempt (``None``: it did not)."""
+        self._killed = False
 
     def run(self) -> int:
         host_of = {w.rank: n.host for n in self.plan.nodes for w in n.workers}
@@ -160,8 +179,10 @@ class Coordinator:
                 try:
                     agent = self.backend.start(node)
                 except Exception as exc:  # e.g. the SSH session could not be opened
+                    self.lost_hosts.append(node.host)
                     self._fail(Failure(node.host, None, None,
-                                       f"could not start the agent on {node.host}: {exc}"))
+                                       f"could not start the agent on {node.host}: {exc}",
+                                       lost=True))
                     break
                 self._agents.append(agent)
                 self._last_heard[index] = time.monotonic()
@@ -195,6 +216,11 @@ class Coordinator:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._events.put(_StopRequested(signum))
 
+    def regroup(self, reason: str) -> None:
+        """Stop the attempt, not as a failure (from any thread): the job's membership
+        changes and it is relaunched on other hosts."""
+        self._events.put(_Regroup(reason))
+
     def _loop(self) -> None:
         open_channels = set(range(len(self._agents)))
         done: set[int] = set()
@@ -215,6 +241,10 @@ class Coordinator:
             match message:
                 case _StopRequested(signum=signum):
                     self._on_stop_request(signum)
+                case _Regroup(reason=reason):
+                    if self.failure is None and self.regrouped is None:
+                        self.regrouped = reason
+                    self._stop_all()
                 case _ChannelClosed(index=index):
                     open_channels.discard(index)
                     if index not in done:
@@ -223,12 +253,22 @@ class Coordinator:
                     if isinstance(event, contract.Done):
                         done.add(index)
                     self._on_event(index, event)
+                    if self.observer is not None:
+                        self.observer(self._agents[index].node.host, event)
 
     def _on_lost(self, agent: AgentHandle) -> None:
         """An agent's channel closed before it said it was done."""
         why = " | ".join(agent.diagnostics()[-3:])
-        self._fail(Failure(agent.node.host, None, None, f"lost the agent on {agent.node.host}"
-                           + (f": {why}" if why else "")))
+        failure = Failure(agent.node.host, None, None, f"lost the agent on {agent.node.host}"
+                          + (f": {why}" if why else ""), lost=True)
+        if not self._killed:
+            self.lost_hosts.append(agent.node.host)
+            if self.failure is not None and not self.failure.lost and \
+                    self.stop_signal is None and self.regrouped is None:
+                # a node's death fails the other nodes' workers too, often before its
+                # channel is seen to close: the lost node is the root cause
+                self.failure = failure
+        self._fail(failure)
 
     def _check_silence(self, watched: set[int], now: float) -> None:
         """A remote agent that has said nothing (not even ``alive``) for too long is lost;
@@ -239,8 +279,11 @@ class Coordinator:
             if agent.node.local or silent <= self.monitor_timeout:
                 continue
             self._last_heard[i] = now
+            self.lost_hosts.append(agent.node.host)
             self._fail(Failure(agent.node.host, None, None, f"no word from the agent on "
-                               f"{agent.node.host} for {silent:.0f} s (host or network down?)"))
+                               f"{agent.node.host} for {silent:.0f} s (host or network down?)",
+                               lost=True))
+            self._killed = True  # pdsh's kill ends every host's channel
             agent.kill()  # nothing more will come; the agent stops itself (its lease)
 
     def _on_event(self, index: int, event: contract.AgentEvent) -> None:
@@ -300,6 +343,7 @@ class Coordinator:
         for agent in self._agents:
             if agent.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 self.err.write(f"ds-run: agent on {agent.node.host} did not exit; killing it\n")
+                self._killed = True
                 agent.kill()
                 agent.wait(timeout=1.0)
 

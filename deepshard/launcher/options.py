@@ -51,5 +51,14 @@ class LaunchOptions:
     """Workers import deepshard as ``deepspeed`` (their agent puts the shim of
     :mod:`deepshard.launcher.compat` first on their ``PYTHONPATH``)."""
     dry_run: bool = False
+    elastic_training: bool = False
+    """Keep training on the remaining hosts when one is lost or keeps failing, and grow
+    back when it returns (:mod:`.elastic`)."""
+    min_elastic_nodes: int | None = None
+    """Fewer usable nodes than this end an elastic job (default 1)."""
+    max_elastic_nodes: int | None = None
+    """An elastic job runs on at most this many nodes (default: every host)."""
+    elastic_probe_interval: float = 60.0
+    """Seconds between probes of the hosts an elastic job lost."""
     stop_grace: float = 5.0
     """Seconds between SIGTERM and SIGKILL when workers are stopped."""

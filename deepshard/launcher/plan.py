@@ -143,6 +143,8 @@ def build_plan(
             contract.RUN_ID: run_id,
             contract.RESTART_COUNT: str(restart_count),
         })
+        if options.elastic_training:
+            common[contract.ELASTIC] = "1"
         workers = tuple(
             WorkerPlan(
                 rank=rank,

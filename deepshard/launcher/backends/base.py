@@ -6,10 +6,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ...errors import UsageError
 from ..plan import NodePlan
 
 if TYPE_CHECKING:
     from ..options import LaunchOptions
+
+
+class HostsUnreachable(UsageError):
+    """:meth:`Backend.prepare` could not reach some hosts: ``hosts`` maps each to why
+    (elastic training leaves them out; otherwise the launch fails with this one line)."""
+
+    def __init__(self, message: str, *, hosts: dict[str, str], where: str | None = None,
+                 hint: str | None = None):
+        super().__init__(message, where=where, hint=hint)
+        self.hosts = hosts
 
 
 class AgentHandle(ABC):

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import UsageError
 from ..plan import NodePlan
 from ..spawn import AGENT_ARGS
 from ..ssh_config import (
@@ -35,7 +34,7 @@ from ..ssh_config import (
     parse_jump,
     resolve_target,
 )
-from .base import AgentHandle, Backend
+from .base import AgentHandle, Backend, HostsUnreachable
 
 if TYPE_CHECKING:
     from typing import Any
@@ -164,8 +163,9 @@ class SSHBackend(Backend):
         if failures:
             first = failures[0]
             more = "".join(f"; {f.host}: {f.reason}" for f in failures[1:])
-            raise UsageError(f"cannot reach {len(failures)} of {len(nodes)} host(s): "
-                             f"{first.reason}{more}", where=first.host, hint=first.hint)
+            raise HostsUnreachable(f"cannot reach {len(failures)} of {len(nodes)} host(s): "
+                                   f"{first.reason}{more}", where=first.host, hint=first.hint,
+                                   hosts={f.host: f.reason for f in failures})
 
     def _connected(self, host: str) -> bool:
         client = self._clients.get(host)
