@@ -130,7 +130,8 @@ def dispatch(x: Tensor, p: Plan, ep_size: int, group: Any) -> Tensor:
         rows = AllToAllV.apply(group, rows, p.recv, p.send)
     rows = rows.index_select(0, p.to_local)
     padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    return padded.index_select(0, p.slots).view(-1, p.width, rows.shape[1])
+    local = len(p.local_counts)
+    return padded.index_select(0, p.slots).view(local, p.width, rows.shape[1])
 
 
 def combine(y: Tensor, p: Plan, num_tokens: int, ep_size: int, group: Any) -> Tensor:
