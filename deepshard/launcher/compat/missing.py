@@ -83,7 +83,6 @@ MODULES: dict[str, Missing] = {
                                     "job after a failure"),
     "deepspeed.linear": Missing("OptimizedLinear / LoRA", "no deepshard equivalent; peft "
                                 "provides LoRA layers"),
-    "deepspeed.moe": Missing("Mixture of Experts (deepspeed.moe.layer.MoE)", _NOT_YET),
     "deepspeed.sequence": Missing("Ulysses sequence parallelism", _NOT_YET),
     "deepspeed.compile": Missing("DeepCompile", "call torch.compile on the model"),
     "deepspeed.checkpoint": Missing("universal checkpoints (DeepSpeedCheckpoint, "
