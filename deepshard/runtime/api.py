@@ -107,8 +107,7 @@ def _config_and_layout(source, model, mpu):
     parsed = parse_config(source, model=model,
                           auto_values={"pipeline.stages": pipeline_stages(model)})
     layout = Layout.create(parsed.config, parsed.origin, model, mpu)
-    _, dp_world, _ = _data_parallel(layout.groups if layout is not None else mpu)
-    loaded = with_batch_triad(parsed, dp_world)
+    loaded = with_batch_triad(parsed, _replicas(layout.groups if layout is not None else mpu))
     cfg = loaded.config
     ignored = [*loaded.unimplemented, *_no_effect(cfg)]
     if dist.get_rank() == 0 and ignored:
@@ -243,10 +242,28 @@ def _model_group(mpu):
 
 
 def _data_parallel(mpu):
+    """The group the strategy reduces gradients over (and ZeRO shards over), its size and
+    this rank's place: with sequence parallelism every rank of ``data x sequence`` (as
+    DeepSpeed's ``seq_data_parallel_group``; the gradients are averaged over all of them)."""
     if mpu is not None:
         group = mpu.get_data_parallel_group()
+        if _sequence_parallel_size(mpu) > 1:
+            group = mpu.get_sequence_data_parallel_group()
         return group, dist.get_world_size(group), dist.get_rank(group)
     return None, dist.get_world_size(), dist.get_rank()
+
+
+def _sequence_parallel_size(mpu) -> int:
+    getter = getattr(mpu, "get_sequence_parallel_world_size", None)
+    return 1 if getter is None else getter()
+
+
+def _replicas(mpu) -> int:
+    """The data-parallel size the batch triad counts: model replicas, each sequence-parallel
+    group one (DeepSpeed: world / (sp x tp x pp))."""
+    if mpu is None:
+        return dist.get_world_size()
+    return dist.get_world_size(mpu.get_data_parallel_group())
 
 
 def _scheduler(cfg, client, optimizer):

@@ -142,6 +142,17 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         return self.strategy.state_bytes(self.module, self.optimizer)
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks of this rank's Ulysses sequence-parallel group (1: none)."""
+        getter = getattr(self.mpu, "get_sequence_parallel_world_size", None)
+        return 1 if getter is None else getter()
+
+    def get_sequence_parallel_group(self):
+        """DeepSpeed's: this rank's sequence-parallel group (``None`` without one)."""
+        getter = getattr(self.mpu, "get_sequence_parallel_group", None)
+        return None if getter is None else getter()
+
+    @property
     def topology(self):
         """The model-parallel (pipe, data, tensor) topology, or ``None`` for plain data
         parallelism (or a user's ``mpu`` without one)."""
@@ -389,8 +400,12 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         del route  # DeepSpeed's train/eval tag: the loader is the same
         from torch.utils.data import DataLoader, DistributedSampler
 
+        replicas, index = self.dp_world_size, self.dp_rank
+        if self.sequence_parallel_size > 1:  # a sequence-parallel group shares its batches
+            replicas = self.mpu.get_data_parallel_world_size()
+            index = self.mpu.get_data_parallel_rank()
         sampler = data_sampler if data_sampler is not None else DistributedSampler(
-            dataset, num_replicas=self.dp_world_size, rank=self.dp_rank)
+            dataset, num_replicas=replicas, rank=index)
         return DataLoader(dataset, batch_size=batch_size or
                           self._config.train_micro_batch_size_per_gpu, sampler=sampler,
                           collate_fn=collate_fn, num_workers=num_local_io_workers or 0,

@@ -204,7 +204,7 @@ class DeepShardConfig(Section):
         "disable_python_gc", "dataloader_drop_last", "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer", "gradient_allreduce_op", "managed_gradient_accumulation",
         "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
-        "use_data_before_expert_parallelism", "sequence_parallel_size", "allgather_size",
+        "use_data_before_expert_parallelism", "allgather_size",
         "data_parallel_size",
         "data_types", "torch_autocast", "aio",
         "autotuning", "data_efficiency", "compile", "timers",
@@ -223,6 +223,11 @@ class DeepShardConfig(Section):
         "Samples per forward/backward pass on one rank.", default=None)
     gradient_accumulation_steps: PosInt | None = doc(
         "Micro batches accumulated per optimizer step.", default=None)
+    sequence_parallel_size: PosInt = doc(
+        "Ranks of one Ulysses sequence-parallel group (consecutive ranks): they share each "
+        "batch, every one holding 1/size of its tokens; the data-parallel size the batch "
+        "triad counts is world / (sequence_parallel_size x pipeline x tensor parallel).",
+        default=1)
     steps_per_print: PosInt | None = doc(
         "Log progress every this many steps; None: never (DeepSpeed 0.19's default).",
         default=None)

@@ -1,5 +1,5 @@
-"""The job's (pipe, data, tensor) layout, from the config and the model: the process
-groups, AutoTP, tied pipeline weights, and which engine drives the model.
+"""The job's (pipe, data, sequence, tensor) layout, from the config and the model: the
+process groups, AutoTP, tied pipeline weights, and which engine drives the model.
 
 ``deepshard.initialize`` asks :meth:`Layout.create` with the validated config before the
 batch triad is resolved, since the data-parallel size depends on the layout; ``None``
@@ -72,8 +72,14 @@ class Layout:
                              f"{type(model).__name__}", where=f"{origin}: pipeline.stages",
                              hint="build the model as deepshard.pipe.PipelineModule(layers, "
                                   "num_stages=...) or set pipeline.stages to 1")
+        sp = cfg.sequence_parallel_size
         if stages == 1 and tp == 1 and not is_pipe:
-            return None
+            return None if sp == 1 else _sequence_layout(cls, sp, origin, mpu)
+        if sp > 1:
+            raise UsageError(f"sequence_parallel_size {sp} with pipeline or tensor "
+                             "parallelism is not supported", where=f"{origin}: "
+                             "sequence_parallel_size", hint="use sequence parallelism with "
+                             "data parallelism and ZeRO only (as DeepSpeed's Ulysses/ALST)")
         if mpu is not None and (is_pipe or stages > 1):
             raise UsageError("both mpu= and a pipeline layout are given",
                              where="initialize(mpu=...)",
@@ -119,6 +125,22 @@ class Layout:
         from ..engine import DeepShardEngine
 
         return DeepShardEngine(parts)
+
+
+def _sequence_layout(cls, sp: int, origin: str, mpu) -> Layout | None:
+    """Sequence-parallel groups carved out of the data-parallel ranks; a user's ``mpu``
+    (e.g. the one ``UlyssesSPAttentionHF.register_with_transformers`` returns) must have
+    groups of the same size, and is then used as it is (``None``)."""
+    if mpu is not None:
+        theirs = getattr(mpu, "get_sequence_parallel_world_size", lambda: None)()
+        if theirs != sp:
+            raise UsageError(f"sequence_parallel_size is {sp} but mpu= has sequence-parallel "
+                             f"size {theirs}", where=f"{origin}: sequence_parallel_size",
+                             hint="make them agree, or drop mpu= and let the config define "
+                                  "the groups")
+        return None
+    topo = Topology.from_config(dist.get_world_size(), sp_size=sp)
+    return cls(topo, ProcessGroups.create(topo), False, None, origin)
 
 
 def _check_user_mpu(mpu, groups: ProcessGroups, origin: str) -> None:

@@ -1,11 +1,14 @@
-"""The (pipe, data, tensor) grid of ranks, and the process groups along its axes.
+"""The (pipe, data, sequence, tensor) grid of ranks, and the process groups along its axes.
 
-:class:`Topology` is pure arithmetic over three sizes ``P x D x T``. Ranks are laid out
+:class:`Topology` is pure arithmetic over the sizes ``P x D x S x T``. Ranks are laid out
 as DeepSpeed's ``PipeModelDataParallelTopology`` lays them out: row-major over the axes
 ``(pipe, data, tensor)``, so the tensor coordinate varies fastest (tensor-parallel peers
-are adjacent ranks, hence on one node), then data, then pipe::
+are adjacent ranks, hence on one node), then data, then pipe. Ulysses sequence parallelism
+(``S``, default 1) is carved out of the data-parallel ranks as DeepSpeed carves it:
+consecutive data-parallel ranks form a sequence-parallel group, so the ``D`` data-parallel
+replicas are the groups (one batch each) and ``D x S`` ranks reduce gradients together::
 
-    rank = (pipe * D + data) * T + tensor
+    rank = ((pipe * D + data) * S + sequence) * T + tensor
 
 :class:`ProcessGroups` is the one side effect: it creates every group of every axis with
 ``torch.distributed.new_group`` (each rank must create all groups, in the same order:
@@ -23,12 +26,13 @@ from typing import Any, Literal, NamedTuple
 from ...errors import UsageError
 from ..teardown import keep
 
-Axis = Literal["pipe", "data", "tensor"]
-AXES: tuple[Axis, ...] = ("pipe", "data", "tensor")
+Axis = Literal["pipe", "data", "sequence", "tensor"]
+AXES: tuple[Axis, ...] = ("pipe", "data", "sequence", "tensor")
 """The axes, slowest-varying first."""
 
 PIPE_KEY = "pipeline.stages"
 TENSOR_KEY = "tensor_parallel.autotp_size"
+SEQUENCE_KEY = "sequence_parallel_size"
 
 
 class Coord(NamedTuple):
@@ -37,11 +41,13 @@ class Coord(NamedTuple):
     pipe: int
     data: int
     tensor: int
+    sequence: int = 0
 
 
 @dataclass(frozen=True)
 class Topology:
-    """A ``pipe x data x tensor`` grid of ``world = pipe * data * tensor`` ranks."""
+    """A ``pipe x data x sequence x tensor`` grid of ``world = pipe * data * sequence *
+    tensor`` ranks."""
 
     pipe: int = 1
     """Pipeline stages (P)."""
@@ -49,6 +55,8 @@ class Topology:
     """Data-parallel replicas (D)."""
     tensor: int = 1
     """Tensor-parallel degree (T)."""
+    sequence: int = 1
+    """Ranks of one Ulysses sequence-parallel group (S): a data-parallel replica."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -57,56 +65,67 @@ class Topology:
                 raise ValueError(f"topology axis {axis!r} needs a positive int, got {size!r}")
 
     @classmethod
-    def from_config(cls, world: int, pipe_stages: int = 1, tp_size: int = 1) -> Topology:
-        """The topology of a job of ``world`` ranks: the data axis takes what pipeline and
-        tensor parallelism leave. Raises :class:`UsageError` naming the config keys when
-        ``world`` is not divisible by ``pipe_stages * tp_size``."""
-        for key, value in ((PIPE_KEY, pipe_stages), (TENSOR_KEY, tp_size)):
+    def from_config(cls, world: int, pipe_stages: int = 1, tp_size: int = 1,
+                    sp_size: int = 1) -> Topology:
+        """The topology of a job of ``world`` ranks: the data axis takes what pipeline,
+        tensor and sequence parallelism leave. Raises :class:`UsageError` naming the config
+        keys when ``world`` is not divisible by ``pipe_stages * tp_size * sp_size``."""
+        keys = ((PIPE_KEY, pipe_stages), (TENSOR_KEY, tp_size), (SEQUENCE_KEY, sp_size))
+        for key, value in keys:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"must be a positive integer, got {value!r}", where=key,
                                  hint=f"set {key} to 1 to turn this kind of parallelism off")
         if world < 1:
             raise ValueError(f"world size must be positive, got {world}")
-        model = pipe_stages * tp_size
+        named = [(k, v) for k, v in keys if v > 1 or k != SEQUENCE_KEY]
+        model = pipe_stages * tp_size * sp_size
         if world % model:
             fits = [d for d in range(1, world + 1) if world % d == 0]
+            sizes = " x ".join(f"{k} ({v})" for k, v in named)
             raise UsageError(
-                f"world size {world} is not divisible by {PIPE_KEY} ({pipe_stages}) x "
-                f"{TENSOR_KEY} ({tp_size}) = {model}, so no whole number of data-parallel "
-                f"replicas fits", where=f"{PIPE_KEY} x {TENSOR_KEY}",
-                hint=f"pick the two so that their product divides {world} (one of "
+                f"world size {world} is not divisible by {sizes} = {model}, so no whole "
+                f"number of data-parallel replicas fits",
+                where=" x ".join(k for k, _ in named),
+                hint=f"pick them so that their product divides {world} (one of "
                      f"{', '.join(map(str, fits))}), or launch a multiple of {model} ranks")
-        return cls(pipe=pipe_stages, data=world // model, tensor=tp_size)
+        return cls(pipe=pipe_stages, data=world // model, tensor=tp_size, sequence=sp_size)
 
     @property
     def world(self) -> int:
         """Number of ranks in the grid."""
-        return self.pipe * self.data * self.tensor
+        return self.pipe * self.data * self.sequence * self.tensor
 
     def size(self, axis: Axis) -> int:
         """The size of ``axis``."""
         return getattr(self, _checked_axis(axis))
 
-    def rank(self, pipe: int = 0, data: int = 0, tensor: int = 0) -> int:
+    def rank(self, pipe: int = 0, data: int = 0, tensor: int = 0, sequence: int = 0) -> int:
         """The global rank at these coordinates."""
-        for axis, value in zip(AXES, (pipe, data, tensor), strict=True):
+        for axis, value in (("pipe", pipe), ("data", data), ("tensor", tensor),
+                            ("sequence", sequence)):
             if not 0 <= value < getattr(self, axis):
                 raise ValueError(f"{axis} coordinate {value} outside 0..{getattr(self, axis) - 1}")
-        return (pipe * self.data + data) * self.tensor + tensor
+        return ((pipe * self.data + data) * self.sequence + sequence) * self.tensor + tensor
 
     def coord(self, rank: int) -> Coord:
         """The coordinates of global ``rank``."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside 0..{self.world - 1}")
         rest, tensor = divmod(rank, self.tensor)
+        rest, sequence = divmod(rest, self.sequence)
         pipe, data = divmod(rest, self.data)
-        return Coord(pipe, data, tensor)
+        return Coord(pipe, data, tensor, sequence)
 
     def axis_groups(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
         """Every group of ranks that differ only in their ``axis`` coordinate, each in
         increasing ``axis`` coordinate, groups ordered by their smallest rank. Together
         they partition the world."""
         return self._groups((_checked_axis(axis),))
+
+    def sequence_data_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups that reduce gradients (and shard ZeRO state): all ``data x sequence``
+        ranks sharing pipe and tensor coordinates, every rank holding the same weights."""
+        return self._groups(("data", "sequence"))
 
     def model_parallel_groups(self) -> tuple[tuple[int, ...], ...]:
         """The "model parallel" groups: all ``pipe x tensor`` ranks sharing one data
@@ -118,13 +137,17 @@ class Topology:
         here = self.coord(rank)
         ranges = {a: [getattr(here, a)] for a in AXES}
         ranges[_checked_axis(axis)] = list(range(self.size(axis)))
-        return tuple(self.rank(*c) for c in itertools.product(*(ranges[a] for a in AXES)))
+        return tuple(self._at(c) for c in itertools.product(*(ranges[a] for a in AXES)))
+
+    def _at(self, coords: tuple[int, ...]) -> int:
+        """The rank at coordinates given in :data:`AXES` order."""
+        return self.rank(**dict(zip(AXES, coords, strict=True)))
 
     def stage_rank(self, rank: int, stage: int) -> int:
         """The rank that holds pipeline ``stage`` for ``rank``'s data and tensor
         coordinates (``rank``'s peer in its pipe group)."""
         here = self.coord(rank)
-        return self.rank(stage, here.data, here.tensor)
+        return self.rank(stage, here.data, here.tensor, here.sequence)
 
     def prev_stage_rank(self, rank: int) -> int | None:
         """The rank ``rank`` receives activations from (and sends gradients to); ``None``
@@ -145,7 +168,7 @@ class Topology:
             ranges: dict[str, Any] = {a: range(self.size(a)) for a in varying}
             ranges.update({a: (v,) for a, v in zip(fixed, kept, strict=True)})
             groups.append(tuple(sorted(
-                self.rank(*c) for c in itertools.product(*(ranges[a] for a in AXES)))))
+                self._at(c) for c in itertools.product(*(ranges[a] for a in AXES)))))
         return tuple(sorted(groups))
 
 
@@ -182,6 +205,11 @@ class ProcessGroups:
     data_group: Any
     tensor_group: Any
     model_group: Any
+    sequence_group: Any = None
+    """This rank's sequence-parallel group; ``None`` without sequence parallelism."""
+    sequence_data_group: Any = None
+    """The ``data x sequence`` ranks gradients are reduced over; ``None`` without sequence
+    parallelism (then it is ``data_group``)."""
 
     @classmethod
     def create(cls, topology: Topology, rank: int | None = None,
@@ -191,7 +219,8 @@ class ProcessGroups:
 
         Groups are created in one fixed order, the same on every rank: the pipe groups,
         the data groups, the tensor groups, then the model-parallel groups, each in
-        :meth:`Topology.axis_groups` order. ``rank`` defaults to
+        :meth:`Topology.axis_groups` order; with sequence parallelism, then the sequence
+        groups and the sequence-data groups. ``rank`` defaults to
         ``torch.distributed.get_rank()``; ``new_group`` to ``torch.distributed.new_group``
         (replaceable in tests).
         """
@@ -209,15 +238,19 @@ class ProcessGroups:
                     where=f"{PIPE_KEY} x {TENSOR_KEY}",
                     hint="build the topology with Topology.from_config(world, ...)")
         mine: dict[str, Any] = {}
-        plan = [(a, topology.axis_groups(a)) for a in AXES]
+        plan = [(a, topology.axis_groups(a)) for a in ("pipe", "data", "tensor")]
         plan.append(("model", topology.model_parallel_groups()))
+        if topology.sequence > 1:
+            plan.append(("sequence", topology.axis_groups("sequence")))
+            plan.append(("sequence_data", topology.sequence_data_groups()))
         for name, groups in plan:
             for ranks in groups:
                 group = new_group(list(ranks))
                 keep(group)  # never destructed: see runtime/teardown.py
                 if rank in ranks:
                     mine[name] = group
-        return cls(topology, rank, mine["pipe"], mine["data"], mine["tensor"], mine["model"])
+        return cls(topology, rank, mine["pipe"], mine["data"], mine["tensor"], mine["model"],
+                   mine.get("sequence"), mine.get("sequence_data"))
 
     @property
     def coord(self) -> Coord:
@@ -285,6 +318,28 @@ class ProcessGroups:
     get_slice_parallel_group = get_tensor_model_parallel_group
     get_slice_parallel_world_size = get_tensor_model_parallel_world_size
     get_slice_parallel_rank = get_tensor_model_parallel_rank
+
+    # DeepSpeed's sequence-parallel mpu (deepspeed.utils.groups, parallel_state_sp)
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.sequence_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.topology.sequence
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.coord.sequence
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        """The ``data x sequence`` ranks: ZeRO's partition group and where gradients are
+        reduced."""
+        return self.sequence_data_group if self.topology.sequence > 1 else self.data_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.topology.data * self.topology.sequence
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.coord.data * self.topology.sequence + self.coord.sequence
 
     def get_stage_id(self) -> int:
         return self.stage_id

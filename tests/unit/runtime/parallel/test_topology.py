@@ -1,4 +1,4 @@
-"""The (pipe, data, tensor) grid: rank layout, axis groups, config errors, and the groups
+"""The (pipe, data, sequence, tensor) grid: rank layout, axis groups, config errors, and the groups
 ProcessGroups creates (with a recording stand-in for torch.distributed.new_group)."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ sizes = st.integers(1, 4)
 def test_layout_is_tensor_fastest_then_data_then_pipe():
     topo = Topology(pipe=2, data=3, tensor=2)
     assert topo.world == 12
-    expected = list(itertools.product(range(2), range(3), range(2)))  # row-major
-    assert [tuple(topo.coord(r)) for r in range(12)] == expected
+    expected = [(*c, 0) for c in itertools.product(range(2), range(3), range(2))]
+    assert [tuple(topo.coord(r)) for r in range(12)] == expected  # row-major
     assert topo.coord(7) == Coord(pipe=1, data=0, tensor=1)
     assert topo.rank(pipe=1, data=2, tensor=0) == 10
 
@@ -47,9 +47,9 @@ def test_rank_and_coord_are_inverse(p, d, t):
         assert topo.rank(*topo.coord(rank)) == rank
 
 
-@given(sizes, sizes, sizes, st.sampled_from(AXES))
-def test_axis_groups_partition_the_world(p, d, t, axis):
-    topo = Topology(p, d, t)
+@given(sizes, sizes, sizes, st.integers(1, 3), st.sampled_from(AXES))
+def test_axis_groups_partition_the_world(p, d, t, sp, axis):
+    topo = Topology(p, d, t, sequence=sp)
     groups = topo.axis_groups(axis)
     assert sorted(r for g in groups for r in g) == list(range(topo.world))
     assert len(groups) == topo.world // topo.size(axis)
@@ -150,3 +150,43 @@ def test_groups_and_mpu_of_one_rank():
     assert pg.get_model_parallel_group().index(5) == pg.get_model_parallel_rank()
     assert (pg.prev_stage_rank, pg.next_stage_rank) == (1, None)
     assert pg.stage_id == pg.get_stage_id() == 1
+
+
+def test_sequence_groups_are_consecutive_data_parallel_ranks():
+    topo = Topology(data=2, sequence=2)  # DeepSpeed: SP groups of consecutive ranks
+    assert topo.axis_groups("sequence") == ((0, 1), (2, 3))
+    assert topo.axis_groups("data") == ((0, 2), (1, 3))
+    assert topo.sequence_data_groups() == ((0, 1, 2, 3),)
+    assert topo.coord(3) == Coord(pipe=0, data=1, tensor=0, sequence=1)
+    with_tp = Topology(data=2, tensor=2, sequence=2)
+    assert with_tp.axis_groups("sequence") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert with_tp.sequence_data_groups() == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert with_tp.model_parallel_groups() == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+@given(sizes, sizes, sizes, st.integers(1, 3))
+def test_rank_and_coord_are_inverse_with_sequence(p, d, t, sp):
+    topo = Topology(p, d, t, sequence=sp)
+    assert [topo.rank(*topo.coord(r)) for r in range(topo.world)] == list(range(topo.world))
+
+
+def test_sequence_parallel_size_in_the_config():
+    assert Topology.from_config(8, sp_size=2) == Topology(data=4, sequence=2)
+    with pytest.raises(UsageError, match=r"sequence_parallel_size \(4\) = 4"):
+        Topology.from_config(6, sp_size=4)
+
+
+def test_sequence_groups_and_mpu():
+    topo = Topology(data=2, sequence=2)
+    orders = [_create(topo, rank)[1] for rank in range(topo.world)]
+    assert all(order == orders[0] for order in orders)
+    pg, _ = _create(topo, rank=3)
+    assert pg.get_sequence_parallel_group() == (2, 3)
+    assert (pg.get_sequence_parallel_rank(), pg.get_sequence_parallel_world_size()) == (1, 2)
+    assert pg.get_sequence_data_parallel_group() == (0, 1, 2, 3)
+    assert (pg.get_sequence_data_parallel_rank(),
+            pg.get_sequence_data_parallel_world_size()) == (3, 4)
+    assert (pg.get_data_parallel_group(), pg.get_data_parallel_world_size()) == ((1, 3), 2)
+    plain, calls = _create(Topology(data=4), rank=1)
+    assert plain.get_sequence_data_parallel_group() == plain.get_data_parallel_group()
+    assert plain.get_sequence_parallel_world_size() == 1 and len(calls) == 4 + 1 + 4 + 4
