@@ -52,6 +52,14 @@ def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, ran
         excluded = layout.prepare(module, broadcast_from_rank0, rank)
     after = dict(module.named_parameters(remove_duplicate=False))
     replaced = {id(p): after[n] for n, p in before if n in after and after[n] is not p}
+    if cfg.sequence_parallel.any_enabled():
+        import logging
+
+        from ...sequence.alst import apply_alst
+
+        for line in apply_alst(module, cfg.sequence_parallel):
+            if rank == 0:
+                logging.getLogger("deepshard").info("sequence_parallel: %s", line)
     broadcast_from_rank0(module, group, dp_world)
     return Prepared(module, excluded, replaced)
 

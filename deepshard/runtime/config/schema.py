@@ -36,6 +36,7 @@ from deepshard.runtime.config.schema_monitor import (
     WandbConfig,
 )
 from deepshard.runtime.config.schema_optim import OptimizerConfig, SchedulerConfig
+from deepshard.runtime.config.schema_sequence import SequenceParallelConfig
 from deepshard.runtime.config.schema_zero import ZeroConfig
 
 
@@ -262,6 +263,9 @@ class DeepShardConfig(Section):
                                           default_factory=CommsLoggerConfig)
     checkpoint: CheckpointConfig = doc("Checkpoint options and deepshard's resume policy.",
                                        default_factory=CheckpointConfig)
+    sequence_parallel: SequenceParallelConfig = doc(
+        "ALST's memory switches for long sequences (tiled MLP, tiled logits + loss, "
+        "checkpointed activations in host memory).", default_factory=SequenceParallelConfig)
     wall_clock_breakdown: Bool = doc(
         "Time forward, backward and step: a 'time (ms)' line on rank 0 every "
         "steps_per_print steps (every step when that is unset), and elapsed_time_ms_* "
