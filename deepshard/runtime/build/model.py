@@ -1,6 +1,7 @@
 """Model preparation for ``initialize``: device and training dtype, ``zero.Init``
 parameters made whole where the job needs them whole, the model-parallel layout applied
-(AutoTP, tied weights), and every data-parallel rank started from rank 0's weights."""
+(AutoTP, tied weights), and every data-parallel rank started from rank 0's weights (MoE
+experts: from the first rank holding each)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, ran
         for line in apply_alst(module, cfg.sequence_parallel):
             if rank == 0:
                 logging.getLogger("deepshard").info("sequence_parallel: %s", line)
-    broadcast_from_rank0(module, group, dp_world)
+    broadcast_from_rank0(module, group, dp_world, _broadcast_experts(module, group, dp_world))
     return Prepared(module, excluded, replaced)
 
 
@@ -75,12 +76,37 @@ def place(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def broadcast_from_rank0(module: torch.nn.Module, group, world: int) -> None:
-    """Every rank starts from rank 0's weights and buffers (as DeepSpeed's engine does)."""
+def broadcast_from_rank0(module: torch.nn.Module, group, world: int,
+                         skip: frozenset[int] = frozenset()) -> None:
+    """Every rank starts from rank 0's weights and buffers (as DeepSpeed's engine does),
+    but for the tensors whose ``id`` is in ``skip``."""
     if world == 1:
         return
-    tensors = [t for t in (*module.parameters(), *module.buffers())]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in skip]
+    _broadcast(tensors, dist.get_global_rank(group, 0) if group is not None else 0, group)
+
+
+@torch.no_grad()
+def _broadcast_experts(module: torch.nn.Module, group, world: int) -> frozenset[int]:
+    """MoE: the expert-parallel groups made (:func:`deepshard.moe.groups.configure`) and
+    every expert started from the first rank of its expert-data-parallel group (the ranks
+    of an expert-parallel group hold different experts); the ids of the expert
+    parameters."""
+    from ...moe.utils import is_moe_param
+
+    experts = [p for p in module.parameters() if is_moe_param(p)]
+    if not experts or world == 1:
+        return frozenset(id(p) for p in experts)
+    from ...moe.groups import configure
+
+    for name, eg in configure(module, group).items():
+        if len(eg.edp_ranks) > 1:
+            _broadcast([p for p in experts if p.group_name == name], eg.edp_ranks[0],
+                       eg.edp_group)
+    return frozenset(id(p) for p in experts)
+
+
+def _broadcast(tensors, src: int, group) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

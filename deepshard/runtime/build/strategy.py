@@ -1,18 +1,20 @@
 """The data-parallel strategy ``zero_optimization.stage`` asks for, with its optimizer:
 stage 0's gradient buckets (and fp32 masters for fp16/bf16), or ZeRO's flat groups over
-the parameters the optimizer holds (stages 1-3)."""
+the parameters the optimizer holds (stages 1-3) (:mod:`.parts`); a model with expert
+parameters gets the MoE composite of such strategies (:mod:`.moe`); an optimizer that
+communicates in its own step, the compressed variants."""
 
 from __future__ import annotations
 
 import torch
 
 from ...errors import UsageError
-from ..buckets import DEFAULT_BUCKET_BYTES, GradBuckets, plan_buckets
-from ..precision import MasterWeights
+from ...moe.utils import is_moe_param
 from ..strategy import DataParallelStrategy
 from ..strategy.compressed import CompressedStage0Strategy, communicates_in_step
 from ..strategy.stage0 import Stage0Strategy
 from .optimizer import check_one_optimizer, group_members, make_optimizer, source_groups
+from .parts import plain_strategy
 
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -27,35 +29,23 @@ def build_strategy(cfg, module: torch.nn.Module, client, model_parameters, group
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     source = source_groups(client, model_parameters, params)
-    members = group_members(cfg, client, source, params, names, replaced or {})
     comm = COMM_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
-    if cfg.zero_optimization.stage:
-        from ..zero.runtime import build_zero
+    if any(is_moe_param(p) for p in params):
+        from .moe import build_moe
 
-        kept = sorted({i for m in members for i in m})
-        renumber = {i: j for j, i in enumerate(kept)}
-        members = [[renumber[i] for i in m] for m in members]
-        zero = build_zero(cfg, module, [names[i] for i in kept], [params[i] for i in kept],
-                          members, group, world, rank, comm)
-        steps = [zero.step_tensors(o) for o in range(len(source))]
-        optimizer = make_optimizer(cfg, client, source, steps, group)
-        if communicates_in_step(optimizer):
-            return _compressed_zero(cfg, zero, optimizer), optimizer
-        return zero, optimizer
-    size = params[0].element_size() if params else 4
-    # DDP-sized buckets; reduce_bucket_size (DeepSpeed's default 5e8, one bucket for most
-    # models: no overlap) is for the ZeRO stages, as in DeepSpeed
-    layouts = plan_buckets([p.shape for p in params], [p.dtype for p in params],
-                           DEFAULT_BUCKET_BYTES // size)
-    buckets = GradBuckets(params, layouts, group, world, comm, names)
-    half = cfg.fp16.enabled or cfg.bf16.enabled
-    masters = MasterWeights(params, layouts) if half and params else None
-    tensors = masters.masters if masters is not None else params
-    steps = [[tensors[i] for i in m] for m in members]
+        return build_moe(cfg, module, client, source, names, params, group, world, rank,
+                         comm, replaced or {})
+    members = group_members(cfg, client, source, params, names, replaced or {})
+    strategy, steps = plain_strategy(cfg, module, names, params, members, group, world, rank,
+                                     comm)
     optimizer = make_optimizer(cfg, client, source, steps, group)
-    if communicates_in_step(optimizer):
-        return CompressedStage0Strategy(buckets, masters, names, optimizer), optimizer
-    return Stage0Strategy(buckets, masters, names), optimizer
+    if not communicates_in_step(optimizer):
+        return strategy, optimizer
+    if cfg.zero_optimization.stage:
+        return _compressed_zero(cfg, strategy, optimizer), optimizer
+    assert isinstance(strategy, Stage0Strategy)
+    return CompressedStage0Strategy(strategy.buckets, strategy.masters, names,
+                                    optimizer), optimizer
 
 
 def _compressed_zero(cfg, zero, optimizer) -> DataParallelStrategy:

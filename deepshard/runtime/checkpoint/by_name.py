@@ -58,12 +58,14 @@ def read_by_name(tag_dir: Path, manifest: fmt.Manifest, shared: Mapping,
     data-parallel ranks of one (pipe, tensor) coordinate, ``shared`` being that
     coordinate's own module state). ``need``: assemble only these names' sharded values
     and state (default: everything, as consolidation wants)."""
-    if manifest.zero_stage == 0:
-        return _stage0(shared)
-    out = ByName({n: v for n, v in shared["module"].items()})
+    stage0 = manifest.zero_stage == 0
+    out = _stage0(shared) if stage0 else ByName({n: v for n, v in shared["module"].items()})
     for r in (range(manifest.world_size) if ranks is None else ranks):
-        for entry in fmt.load_file(tag_dir, fmt.rank_file(r), mmap=True)["zero"]:
+        # stage 0: entries only where a strategy keeps some (MoE experts, by global name)
+        for entry in fmt.load_file(tag_dir, fmt.rank_file(r), mmap=True).get("zero", ()):
             _scatter(entry, out, need)
+    if stage0:
+        return out
     out.present.update(out.values)
     for alias, canonical in shared.get("aliases", {}).items():
         if canonical in out.present:

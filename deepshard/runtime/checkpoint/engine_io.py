@@ -203,7 +203,8 @@ def _restore_model(engine, by_name: ByName, shared: dict, strict: bool, load_opt
     saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
     missing = ((want - owned) - by_name.present) | strategy.restore(
         engine.optimizer, by_name, load_optimizer, saved_groups)
-    check_missing(module, missing, by_name.present - want, strict, manifest, path)
+    unexpected = by_name.present - want - strategy.entry_names()
+    check_missing(module, missing, unexpected, strict, manifest, path)
 
 
 def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:

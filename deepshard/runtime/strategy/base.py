@@ -138,6 +138,12 @@ class DataParallelStrategy(ABC):
         """State-dict names (aliases included) whose values :meth:`rank_payload` writes,
         so the module file leaves them out."""
 
+    def entry_names(self) -> set[str]:
+        """Names this strategy's checkpoint entries may hold beyond the module's
+        state-dict names (MoE experts under their global ids): a load does not count them
+        as unexpected."""
+        return set()
+
     @abstractmethod
     def masters_by_name(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """fp32 masters kept in the shared file, by every name of their parameter."""
