@@ -207,8 +207,9 @@ def _drive(options: LaunchOptions, session: Session, backend: Backend,
             continue
         ended = attempt(plan, restart, session)
         coordinator = ended.coordinator
-        if coordinator.stop_signal is not None or (ended.code == 0 and
-                                                   coordinator.failure is None):
+        if coordinator.stop_signal is not None or (
+                ended.code == 0 and coordinator.failure is None
+                and coordinator.regrouped is None):
             return ended.code
         restart += 1
         if coordinator.failure is None:  # stopped to grow (or shrink) by the policy

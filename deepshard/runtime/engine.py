@@ -414,7 +414,9 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
     def training_loader(self, dataset, collate_fn=None):
         """The loader ``initialize(training_data=dataset)`` returns (and keeps as
         ``training_dataloader``)."""
-        self.training_dataloader = self.deepspeed_io(dataset, collate_fn=collate_fn)
+        from .data_position import resumable_loader  # its position is in checkpoints
+
+        self.training_dataloader = resumable_loader(self, dataset, collate_fn)
         return self.training_dataloader
 
     def empty_partition_cache(self) -> None:

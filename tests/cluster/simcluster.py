@@ -169,18 +169,36 @@ class SimCluster:
             "MaxStartups 100:30:200\nMaxSessions 100\nLogLevel ERROR\n"
             # drop a dead client within seconds, as production sshd configs do
             "ClientAliveInterval 1\nClientAliveCountMax 3\n")
-        log = open(hostdir / "sshd.log", "ab")  # noqa: SIM115  (kept by the process)
-        host.sshd = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c",
-             f'hostname "$0" && exec {SSHD} -D -e -f "$1"', host.name, str(config)],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        log.close()
+        self._start_sshd(host)
         pub = host_key.with_suffix(".pub").read_text().split()
         with open(self.home / ".ssh" / "known_hosts", "a") as known:
             known.write(f"{host.address} {pub[0]} {pub[1]}\n")
         with open(self.home / ".ssh" / "config", "a") as cfg:
             cfg.write(f"Host {host.name}\n    HostName {host.address}\n    User root\n"
                       f"    IdentityFile {client_key}\n")
+
+    def _start_sshd(self, host: SimHost) -> None:
+        hostdir = self.workdir / host.name
+        log = open(hostdir / "sshd.log", "ab")  # noqa: SIM115  (kept by the process)
+        host.sshd = subprocess.Popen(
+            ["ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c",
+             f'hostname "$0" && exec {SSHD} -D -e -f "$1"', host.name,
+             str(hostdir / "sshd_config")],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        log.close()
+
+    def kill_host(self, host: SimHost) -> None:
+        """Every process of the host dies at once (SIGKILL), its sshd too: a node lost."""
+        self._kill_namespace(host)
+        if host.sshd is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                host.sshd.wait(timeout=5)
+            host.sshd = None
+
+    def restart_sshd(self, host: SimHost) -> None:
+        """The host is back: its sshd listens again (same keys and config)."""
+        self._start_sshd(host)
+        self._wait_for_sshd()
 
     def _wait_for_sshd(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout

@@ -21,7 +21,8 @@ import torch
 
 from ... import __version__
 from ...errors import UsageError
-from ...liveness import heartbeat
+from ...liveness import checkpoint_saved, heartbeat
+from .. import data_position
 from . import format as fmt
 from . import model_parallel as mp
 from .by_name import ByName, Needed, aliases, read_by_name
@@ -61,6 +62,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     if engine.global_rank == 0:
         _write_converter(save_dir)
     heartbeat(engine.global_steps)
+    checkpoint_saved(engine.global_steps)  # complete on every rank: ds-run may grow now
     return True
 
 
@@ -123,6 +125,7 @@ def _shared(engine, model: dict, client_state) -> dict:
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
         "counters": dataclasses.asdict(engine.counters),
+        "data_position": data_position.position(engine),
         "client_state": dict(client_state or {}),
     }
 
@@ -173,6 +176,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
             _restore_own(engine, path, manifest)
     if not load_module_only:
         _restore_schedule(engine, path, shared, load_lr_scheduler_states)
+        data_position.restore(engine, shared.get("data_position"))
     engine.strategy.zero_grad()
     engine.barrier()
     return str(path), shared["client_state"]

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from deepshard.contract import ELASTIC
+from deepshard.elasticity import compute as compute_elastic
 from deepshard.errors import UsageError
 from deepshard.runtime.config.dialect import read_config_source
 from deepshard.runtime.config.schema import DeepShardConfig, find_auto_keys, validate_config
@@ -165,9 +168,21 @@ def _drop_determined_triad_autos(data: dict[str, Any]) -> None:
 
 
 def resolve_batch_triad(config: DeepShardConfig, world_size: int,
-                        origin: str = "<dict>") -> DeepShardConfig:
+                        origin: str = "<dict>", *, elastic: bool | None = None
+                        ) -> DeepShardConfig:
     """``config`` with train_batch_size, train_micro_batch_size_per_gpu and
-    gradient_accumulation_steps all set and consistent with ``world_size``."""
+    gradient_accumulation_steps all set and consistent with ``world_size``.
+
+    An enabled ``elasticity`` section sets all three (DeepSpeed's arithmetic). Under
+    ``ds-run --elastic_training`` (``elastic``; ``None``: the launcher's
+    ``DEEPSHARD_ELASTIC``) the world size changes between relaunches: the train batch and
+    the micro batch stay, and the accumulation steps follow the world size."""
+    if config.elasticity.enabled:
+        return _elastic_section(config, world_size, origin)
+    if elastic is None:
+        elastic = os.environ.get(ELASTIC) == "1"
+    if elastic:
+        config = _elastic_world(config, world_size, origin)
     tbs, micro, gas = (getattr(config, key) for key in TRIAD)
     where = origin
     if tbs is not None and micro is not None and gas is not None:
@@ -195,6 +210,43 @@ def resolve_batch_triad(config: DeepShardConfig, world_size: int,
         raise UsageError("no batch size given", where=origin,
                          hint=f"set {TBS} or {MICRO} (and optionally {GAS})")
     return config.model_copy(update={TBS: tbs, MICRO: micro, GAS: gas})
+
+
+def _elastic_world(config: DeepShardConfig, world_size: int, origin: str) -> DeepShardConfig:
+    """The config with its accumulation steps left to derive from the world size."""
+    tbs, micro = config.train_batch_size, config.train_micro_batch_size_per_gpu
+    if tbs is None or micro is None:
+        raise UsageError(f"elastic training needs both {TBS} and {MICRO}: it keeps them "
+                         "when the world size changes", where=origin,
+                         hint=f"set both ({GAS} then follows the world size)")
+    if tbs % (micro * world_size):
+        raise UsageError(f"{TBS} {tbs} does not split into whole accumulation steps of "
+                         f"{MICRO} {micro} on {world_size} ranks", where=f"{origin}: {TBS}",
+                         hint=f"run at a world size dividing {tbs // micro} (ds-run "
+                              "--elastic_training picks those when the script is given "
+                              f"--deepspeed_config), or a {TBS} that is a multiple of "
+                              f"{micro * world_size}")
+    return config.model_copy(update={GAS: None})
+
+
+def _elastic_section(config: DeepShardConfig, world_size: int,
+                     origin: str) -> DeepShardConfig:
+    """The batch triad DeepSpeed's ``elasticity`` section gives for ``world_size``."""
+    section = config.elasticity
+    written = [key for key in TRIAD if key in config.model_fields_set
+               and getattr(config, key) is not None]
+    if written and not section.ignore_non_elastic_batch_info:
+        raise UsageError(f"{', '.join(written)} given with an enabled elasticity section, "
+                         "which sets the batch sizes itself", where=f"{origin}: {written[0]}",
+                         hint="remove them, or set elasticity.ignore_non_elastic_batch_info "
+                              "true to have them overridden (as DeepSpeed)")
+    try:
+        batch = compute_elastic(section.spec(), world_size)
+    except UsageError as exc:
+        raise UsageError(exc.message, where=f"{origin}: {exc.where}", hint=exc.hint) from None
+    return config.model_copy(update={TBS: batch.train_batch_size,
+                                     MICRO: batch.micro_batch_size,
+                                     GAS: batch.accumulation(world_size)})
 
 
 def _divide(tbs: int, given: int, world_size: int, given_key: str, derived_key: str,

@@ -28,6 +28,7 @@ from deepshard.runtime.config.schema_base import (
     one_of,
 )
 from deepshard.runtime.config.schema_comm import CommsLoggerConfig
+from deepshard.runtime.config.schema_elastic import ElasticityConfig
 from deepshard.runtime.config.schema_monitor import (
     CometConfig,
     CSVConfig,
@@ -213,7 +214,7 @@ class DeepShardConfig(Section):
         "weight_quantization", "datastates_ckpt",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
         "amp", "nebula", "compression_training", "quantize_training", "sparse_gradients",
-        "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting",
+        "eigenvalue", "sparse_attention", "graph_harvesting",
         "curriculum_learning", "progressive_layer_drop",
     })
 
@@ -263,6 +264,9 @@ class DeepShardConfig(Section):
                                           default_factory=CommsLoggerConfig)
     checkpoint: CheckpointConfig = doc("Checkpoint options and deepshard's resume policy.",
                                        default_factory=CheckpointConfig)
+    elasticity: ElasticityConfig = doc(
+        "DeepSpeed's elastic batch arithmetic (removed in DeepSpeed 0.19, kept here): one "
+        "train batch size for a range of world sizes.", default_factory=ElasticityConfig)
     sequence_parallel: SequenceParallelConfig = doc(
         "ALST's memory switches for long sequences (tiled MLP, tiled logits + loss, "
         "checkpointed activations in host memory).", default_factory=SequenceParallelConfig)
