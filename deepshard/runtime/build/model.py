@@ -5,9 +5,8 @@ experts: from the first rank holding each)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
