@@ -21,14 +21,6 @@ import torch
 
 import deepshard
 
-parser = argparse.ArgumentParser()
-parser.add_argument("workdir")
-parser.add_argument("--local_rank", type=int)
-parser.add_argument("--steps", type=int, default=10)
-parser.add_argument("--delay", type=float, default=0.3)
-parser.add_argument("--crash-host", default="")
-args, _ = parser.parse_known_args()
-
 SAMPLES = 96
 
 
@@ -52,7 +44,18 @@ CONFIG = {
 }
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir")
+    parser.add_argument("--local_rank", type=int)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--delay", type=float, default=0.3)
+    parser.add_argument("--crash-host", default="")
+    return parser.parse_known_args()[0]
+
+
 def main() -> None:
+    args = parse_args()
     ckpt = os.path.join(args.workdir, "ckpt")
     config = {**CONFIG, "checkpoint": {"resume_dir": ckpt}}
     net = model()
