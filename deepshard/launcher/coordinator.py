@@ -261,7 +261,7 @@ class Coordinator:
         why = " | ".join(agent.diagnostics()[-3:])
         failure = Failure(agent.node.host, None, None, f"lost the agent on {agent.node.host}"
                           + (f": {why}" if why else ""), lost=True)
-        if not self._killed:
+        if not self._killed and not (self._stopping and agent.stop_ends_channel):
             self.lost_hosts.append(agent.node.host)
             if self.failure is not None and not self.failure.lost and \
                     self.stop_signal is None and self.regrouped is None:

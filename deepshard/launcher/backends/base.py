@@ -27,6 +27,9 @@ class AgentHandle(ABC):
     """A running agent, seen through its channel."""
 
     node: NodePlan
+    stop_ends_channel: bool = False
+    """After :meth:`stop` the channel may close without ``done`` (pdsh's abort ends every
+    session): a closed channel then says nothing about the host."""
 
     @abstractmethod
     def lines(self) -> Iterator[str]:

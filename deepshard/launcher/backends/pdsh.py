@@ -84,6 +84,8 @@ class _PdshRun:
 
 
 class PdshAgent(AgentHandle):
+    stop_ends_channel = True
+
     def __init__(self, node: NodePlan, run: _PdshRun):
         self.node = node
         self._run = run
