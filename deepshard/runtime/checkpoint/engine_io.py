@@ -225,7 +225,13 @@ def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool)
         engine.lr_scheduler.load_state_dict(shared["lr_scheduler"])
     if engine.loss_scaler and shared["loss_scaler"]:
         engine.loss_scaler.load_state_dict(shared["loss_scaler"])
-    engine.counters = dataclasses.replace(engine.counters, **shared["counters"])
+    counters = dict(shared["counters"])
+    # a resumed job opens a fresh accumulation window, also at another world size or
+    # gradient_accumulation_steps (no partial gradient is saved; DeepSpeed restarts its
+    # micro-step count): the count rounded down to a boundary of this job's windows
+    gas = engine.gradient_accumulation_steps()
+    counters["micro_steps"] = counters.get("micro_steps", 0) // gas * gas
+    engine.counters = dataclasses.replace(engine.counters, **counters)
     own_file = path / fmt.rank_file(engine.global_rank)
     if own_file.exists():
         fmt.set_rng_states(fmt.load_file(path, own_file.name)["rng"])

@@ -78,22 +78,33 @@ class ParamFragments:
 
     def __init__(self, strategy, optimizer):
         self.strategy, self.optimizer = strategy, optimizer
-        self._full = zero_full if strategy.stage else stage0_full
+
+    def _owner(self, param: torch.Tensor):
+        """The plain strategy holding ``param``: a composite strategy's part (MoE's
+        ``owner_of``), else the strategy itself."""
+        owner_of = getattr(self.strategy, "owner_of", None)
+        return self.strategy if owner_of is None else owner_of(param)
+
+    def _full(self, param: torch.Tensor, what: str, key: str | None = None):
+        owner = self._owner(param)
+        full = zero_full if owner.stage else stage0_full
+        return full(owner, param, what, self.optimizer, key)
 
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor | None:
-        return self._full(self.strategy, param, "param")
+        return self._full(param, "param")
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        return self._full(self.strategy, param, "grad")
+        return self._full(param, "grad")
 
     def full_optimizer_state(self, param: torch.Tensor, key: str):
-        return self._full(self.strategy, param, "state", self.optimizer, key)
+        return self._full(param, "state", key)
 
     @torch.no_grad()
     def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
         if self.strategy.stage:
             self._unsupported("safe_set_full_fp32_param")
-        masters = self.strategy.masters.master_of() if self.strategy.masters else {}
+        owner = self._owner(param)
+        masters = owner.masters.master_of() if owner.masters else {}
         if id(param) in masters:
             masters[id(param)].copy_(value.reshape(param.shape))
         param.copy_(value.reshape(param.shape))

@@ -176,6 +176,15 @@ class MoEStrategy(DataParallelStrategy):
             dist.all_reduce(total, group=mp_group)
         return total.clamp_min(0).sqrt()
 
+    def owner_of(self, param: torch.Tensor) -> DataParallelStrategy:
+        """The part's strategy that trains ``param`` (what ``safe_get_full_*`` ask: an
+        expert's whole tensors come from its expert-data-parallel group's shards); the
+        dense part's for a parameter none trains (it says so)."""
+        for part in self.parts:
+            if any(p is param for p in part.strategy.params):
+                return part.strategy
+        return self.parts[0].strategy
+
     # -- accounting and lifetime -------------------------------------------------------
     def state_bytes(self, module, optimizer) -> dict[str, int]:
         """The parts' bytes added up (the dense part counts the module's parameters at
