@@ -57,6 +57,8 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
     def __init__(self, config_file_or_dict: Any):
         super().__init__(config_file_or_dict)
         self._dtype: Any = None
+        self.sequence_parallel_size = 1
+        """Ranks sharing each batch's tokens (known after ``trainer_config_process``)."""
         self.mismatches: list[Mismatch] = []
         self._processed: tuple[dict, list[Mismatch]] | None = None
 
@@ -95,7 +97,9 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
     # the two passes -------------------------------------------------------------------
     def trainer_config_process(self, args, auto_find_batch_size: bool = False) -> None:
         """Fill from ``args`` (``TrainingArguments``) what is known before the model: as
-        transformers' pass of the same name, key by key."""
+        transformers' pass of the same name, key by key; besides, ``sequence_parallel_size``
+        from ``args.parallelism_config.sp_size`` (HF's switch for ALST/Ulysses)."""
+        self.sequence_parallel_size = self._fill_sequence_parallel(args)
         self._fill_batch(args, auto_find_batch_size)
         self.fill_match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
         self._fill_optimizer(args)
@@ -107,10 +111,25 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
         self._dtype = self._config_dtype()
         self._processed = (copy.deepcopy(self.config), list(self.mismatches))
 
+    def _fill_sequence_parallel(self, args) -> int:
+        """``"auto"`` or a set value checked against ``parallelism_config.sp_size``; the
+        key written when only ``parallelism_config`` asks for sequence parallelism."""
+        pc = getattr(args, "parallelism_config", None)
+        if pc is None:
+            self.fill_only("sequence_parallel_size", 1)
+        else:
+            check_parallelism_config(pc)
+            self.fill_match("sequence_parallel_size", pc.sp_size, "parallelism_config.sp_size")
+            if pc.sp_size > 1:
+                self.config.setdefault("sequence_parallel_size", pc.sp_size)
+        size = self.config.get("sequence_parallel_size", 1)
+        return size if isinstance(size, int) and size > 0 else 1
+
     def _fill_batch(self, args, auto_find_batch_size: bool) -> None:
-        # DeepSpeed: train_batch_size = world * micro * accumulation
+        # DeepSpeed: train_batch_size = replicas * micro * accumulation, where a replica is
+        # a sequence-parallel group (as Accelerate fixes it for ALST)
         micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        total = args.world_size * micro * gas
+        total = max(1, args.world_size // self.sequence_parallel_size) * micro * gas
         self.fill_match("train_micro_batch_size_per_gpu", args.per_device_train_batch_size,
                         "per_device_train_batch_size", not auto_find_batch_size)
         self.fill_match("gradient_accumulation_steps", args.gradient_accumulation_steps,
@@ -195,13 +214,32 @@ class HfTrainerDeepShardConfig(HfDeepShardConfig):
         micro = self.get_value("train_micro_batch_size_per_gpu")
         gas = self.get_value("gradient_accumulation_steps")
         if isinstance(micro, int) and isinstance(gas, int):
-            self.fill_only("train_batch_size", micro * gas * world_size)
+            replicas = max(1, world_size // self.sequence_parallel_size)
+            self.fill_only("train_batch_size", micro * gas * replicas)
         autos = [k for k in HIDDEN_SIZE_KEYS if self.is_auto(k)]
         if autos:
             hidden = model_hidden_size(model, autos)
             self.fill_only(HIDDEN_SIZE_KEYS[0], hidden * hidden)
             self.fill_only(HIDDEN_SIZE_KEYS[1], int(0.9 * hidden * hidden))
             self.fill_only(HIDDEN_SIZE_KEYS[2], 10 * hidden)
+
+
+def check_parallelism_config(pc) -> None:
+    """``TrainingArguments.parallelism_config`` under ``deepspeed=``: only its sequence
+    parallelism (``sp_size``, ``sp_backend="deepspeed"``) applies; data parallelism is
+    what the sequence groups leave, as with DeepSpeed.
+
+    Raises:
+        UsageError: tensor or context parallelism asked for there.
+    """
+    asked = {k: getattr(pc, k, 1) for k in ("tp_size", "cp_size")}
+    asked = {k: v for k, v in asked.items() if v and v > 1}
+    if asked:
+        found = ", ".join(f"{k}={v}" for k, v in asked.items())
+        raise UsageError(f"parallelism_config asks for {found}, which deepshard's Trainer "
+                         "does not take from it", where="TrainingArguments.parallelism_config",
+                         hint="keep only sp_size there; tensor parallelism is the config's "
+                              "tensor_parallel.autotp_size")
 
 
 def model_hidden_size(model, auto_keys: list[str]) -> int:

@@ -16,6 +16,18 @@ shards the data loaders) and its four engine-facing calls (``backward``,
 Accelerate's DeepSpeed wrapper does. Checkpoints are the engine's (``checkpoint-N/global_stepN``)
 next to the Trainer's state; ``save_model`` writes the HF format
 (:func:`deepshard.integrations.hf_save.save_pretrained`, from any stage).
+
+Ulysses sequence parallelism (ALST), asked for by the config's ``sequence_parallel_size``
+or, as HF documents it for DeepSpeed, by ``TrainingArguments(parallelism_config=
+ParallelismConfig(sp_backend="deepspeed", sp_size=P))``: what Accelerate and the Trainer do
+for DeepSpeed, over :mod:`deepshard.sequence`. The model's attention is wrapped
+(``UlyssesSPAttentionHF.register_with_transformers``, its groups are the engine's ``mpu``),
+the training loader goes through ``UlyssesSPDataLoaderAdapter`` (each batch's tokens split
+over a group, global ``position_ids``, ``shift_labels``), and the loss is the token sum of
+the shard divided by the valid tokens of the whole optimizer step (all ranks, all
+accumulated micro-batches, as the Trainer divides without sequence parallelism), so
+SP x DP trains as plain data parallelism over the same batches. Accelerate never sees
+``parallelism_config`` (on CPU it refuses one; its DeepSpeed path needs the package).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from accelerate import Accelerator
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 
 from deepshard.errors import UsageError
-from deepshard.integrations.hf_auto import HfTrainerDeepShardConfig
+from deepshard.integrations.hf_auto import HfTrainerDeepShardConfig, check_parallelism_config
 
 logger = logging.getLogger("deepshard")
 
@@ -133,9 +145,18 @@ class Trainer(transformers.Trainer):
 
     # -- setup ---------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
         config = getattr(self.args, "hf_deepspeed_config", None)
         self.is_deepshard_enabled = isinstance(config, HfTrainerDeepShardConfig)
+        self._sp_groups = None
+        pc = getattr(self.args, "parallelism_config", None)
+        if self.is_deepshard_enabled and pc is not None:
+            check_parallelism_config(pc)
+            self.args.parallelism_config = None  # sequence parallelism is the engine's
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            if pc is not None:
+                self.args.parallelism_config = pc
         if self.is_deepshard_enabled:
             self.accelerator.__class__ = _EngineAccelerator
 
@@ -144,6 +165,12 @@ class Trainer(transformers.Trainer):
         """The config the engine is built from (``args.hf_deepspeed_config``)."""
         return self.args.hf_deepspeed_config
 
+    def get_sp_size(self) -> int:
+        """The config's ``sequence_parallel_size`` (transformers reads Accelerate's)."""
+        if not self.is_deepshard_enabled:
+            return super().get_sp_size()
+        return self.deepshard_config.sequence_parallel_size
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Where transformers calls ``deepspeed_init`` and ``accelerator.prepare``: build the
         engine (and resume it); the data loader is already Accelerate's, sharded."""
@@ -151,6 +178,8 @@ class Trainer(transformers.Trainer):
             return super()._prepare_for_training(max_steps, train_dataloader,
                                                  resume_from_checkpoint)
         engine = self._engine_for_training(max_steps)
+        if self._sp_groups is not None:
+            train_dataloader = self._sequence_parallel_loader(train_dataloader)
         if resume_from_checkpoint is not None:
             self._load_engine_checkpoint(resume_from_checkpoint)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
@@ -186,7 +215,8 @@ class Trainer(transformers.Trainer):
         optimizer, scheduler = self._optimizer_and_scheduler(max_steps)
         engine, opt, _, sched = deepshard.initialize(
             model=self.model, model_parameters=params if optimizer is None else None,
-            optimizer=optimizer, lr_scheduler=scheduler, config=cfg.config)
+            optimizer=optimizer, lr_scheduler=scheduler, config=cfg.config,
+            mpu=self._sequence_parallel_groups())
         self._attach(engine)
         self._engine_steps = max_steps
         self.optimizer = DeepSpeedOptimizerWrapper(opt)
@@ -269,9 +299,71 @@ class Trainer(transformers.Trainer):
         cfg.trainer_config_finalize(self.args, self.model, 0)
         cfg.fill_accelerate_defaults(self.model, self.args.world_size)
         config = {k: v for k, v in cfg.config.items() if k not in ("optimizer", "scheduler")}
-        engine, *_ = deepshard.initialize(model=self.model, config=config)
+        engine, *_ = deepshard.initialize(model=self.model, config=config,
+                                          mpu=self._sequence_parallel_groups())
         self._attach(engine)
         self._engine_steps = None
+
+    # -- sequence parallelism ------------------------------------------------------------
+    def _sequence_parallel_groups(self):
+        """With ``sequence_parallel_size`` > 1: the attention wrapped once (Accelerate's
+        call, evaluation unwrapped), its groups the engine's ``mpu``; else ``None``."""
+        size = self.deepshard_config.sequence_parallel_size
+        if size == 1 or self._sp_groups is not None:
+            return self._sp_groups
+        from deepshard.sequence.hf import UlyssesSPAttentionHF
+
+        model = self.accelerator.unwrap_model(self.model)
+        pc = getattr(self.args, "parallelism_config", None)
+        handler = getattr(pc, "sp_handler", None)
+        implementation = (getattr(handler, "sp_attn_implementation", None)
+                          or getattr(model.config, "_attn_implementation", None) or "sdpa")
+        self._sp_groups = UlyssesSPAttentionHF.register_with_transformers(
+            model, implementation, size, self.args.per_device_train_batch_size,
+            disable_in_eval=True)
+        return self._sp_groups
+
+    def _sequence_parallel_loader(self, loader):
+        from deepshard.sequence.loader import UlyssesSPDataLoaderAdapter
+
+        groups = self._sp_groups
+        return UlyssesSPDataLoaderAdapter(
+            loader, sp_rank=groups.get_sequence_parallel_rank(),
+            sp_group=groups.get_sequence_parallel_group(),
+            sp_world_size=groups.get_sequence_parallel_world_size(), device=self.args.device)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """Under sequence parallelism: the valid ``shift_labels`` of the step's shards,
+        summed over every rank (``average_tokens_across_devices``) or over the group."""
+        if self._sp_groups is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum((b["shift_labels"].ne(-100).sum() for b in batch_samples),
+                    torch.zeros((), dtype=torch.int64)).to(device)
+        group = None if self.args.average_tokens_across_devices \
+            else self._sp_groups.get_sequence_parallel_group()
+        torch.distributed.all_reduce(count, group=group)
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Under sequence parallelism in training: the model's loss over ``shift_labels``
+        summed and divided by ``num_items_in_batch``, scaled by the ranks the engine
+        averages gradients over per token count (the whole world, or the group)."""
+        if self._sp_groups is None or not model.training or num_items_in_batch is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not self.model_accepts_loss_kwargs:
+            raise UsageError(f"{type(self.accelerator.unwrap_model(model)).__name__}'s "
+                             "forward takes no loss kwargs (shift_labels, "
+                             "num_items_in_batch)", where="sequence_parallel_size",
+                             hint="use a transformers causal LM, or a hand loop with "
+                                  "deepshard.sequence.loss.sequence_parallel_loss")
+        labels = inputs["shift_labels"]
+        kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        outputs = model(**kwargs, labels=labels, shift_labels=labels,
+                        num_items_in_batch=num_items_in_batch)
+        scale = (self.args.world_size if self.args.average_tokens_across_devices
+                 else self._sp_groups.get_sequence_parallel_world_size())
+        loss = outputs["loss"] * scale
+        return (loss, outputs) if return_outputs else loss
 
     # -- checkpoints ---------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

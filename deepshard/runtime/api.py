@@ -137,12 +137,13 @@ def _check_combination(cfg, layout, origin: str) -> None:
                          "optimizer.type", hint=f"use Adam/AdamW with ZeRO, or stage 0 for "
                                                 f"{name}")
     if cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_OPTIMIZERS:
-        _check_onebit(cfg.optimizer.type, stage, layout, origin)
+        _check_onebit(cfg.optimizer.type, stage, layout, origin, cfg.sequence_parallel_size)
 
 
-def _check_onebit(name: str, stage: int, layout, origin: str) -> None:
+def _check_onebit(name: str, stage: int, layout, origin: str, sequence: int = 1) -> None:
     """The 1-bit optimizers compress plain data parallelism's momentum exchange: ZeRO
-    stage 0, or 1 for OneBitAdam."""
+    stage 0, or 1 for OneBitAdam; no pipeline, tensor or sequence parallelism (the
+    config's ``sequence_parallel_size`` also when ``mpu=`` brings the groups)."""
     top = 1 if name == "OneBitAdam" else 0
     if stage > top:
         raise UsageError(f"{name} at ZeRO stage {stage}", where=f"{origin}: "
@@ -150,8 +151,14 @@ def _check_onebit(name: str, stage: int, layout, origin: str) -> None:
                          hint=f"use stage {'0 or 1' if top else '0'}: {name} exchanges "
                               "compressed momentum in its own step, where stages 2-3 "
                               "reduce gradients during backward")
-    if layout is not None:
-        raise UsageError(f"{name} with pipeline or tensor parallelism is not supported",
+    topo = layout.topology if layout is not None else None
+    sizes = (("pipeline.stages", topo.pipe if topo else 1),
+             ("tensor_parallel.autotp_size", topo.tensor if topo else 1),
+             ("sequence_parallel_size", topo.sequence if topo else sequence))
+    if topo is not None or sequence > 1:
+        found = ", ".join(f"{key} {size}" for key, size in sizes if size > 1)
+        raise UsageError(f"{name} with {found or 'model parallelism'} is not supported: it "
+                         "compresses plain data parallelism's momentum exchange",
                          where=f"{origin}: optimizer.type",
                          hint="use it with data parallelism only, or Adam/AdamW")
 
