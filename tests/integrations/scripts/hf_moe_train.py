@@ -1,0 +1,124 @@
+"""Train tiny HF MoE models with their experts sharded over the ranks
+(``deepshard.moe.hf.shard_hf_moe``, ep = world size) and, beside them in the same process,
+the unsharded model with torch's Adam on every rank's batch; save in the HF format.
+
+    ds-run --num_gpus 2 hf_moe_train.py --out_dir OUT --runs mixtral:0 qwen3_moe:2
+
+A run is ``kind:stage``. Every rank prints ``RESULT {json}``: per step the largest
+difference of its loss, load-balancing loss and router logits from the reference's on its
+batch, and after the steps that of every parameter (experts gathered back under HF
+names); rank 0 adds that of the state dict ``from_pretrained`` loads from the save, and
+of its logits.
+"""
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import deepshard
+from deepshard.moe.hf import hf_state_dict, save_pretrained, shard_hf_moe
+from tests.integrations.tiny import batch
+
+VOCAB = 64
+STEPS = 3
+# eps well above the gradients' rounding: with eps 1e-8, Adam's first step is lr * sign(g)
+# and an entry whose gradient cancels to ~1e-8 moves by lr either way
+LR, BETAS, EPS = 1e-2, [0.9, 0.99], 1e-4
+CLIP = 0.5  # below the gradient norm: the norm must count every expert once
+
+
+def tiny_moe(kind: str):
+    common = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+              "max_position_embeddings": 32, "output_router_logits": True,
+              "router_aux_loss_coef": 0.1, "tie_word_embeddings": False}
+    if kind == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=24, num_local_experts=4,
+                                          num_experts_per_tok=2, **common)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=12,
+                                           num_experts=4, num_experts_per_tok=2,
+                                           norm_topk_prob=True, **common)
+    return transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12,
+                                       shared_expert_intermediate_size=20, num_experts=4,
+                                       num_experts_per_tok=2, **common)
+
+
+def biggest(a, b) -> float:
+    return float((a.detach().float() - b.detach().float()).abs().max())
+
+
+def run(kind: str, stage: int, out: Path) -> dict:
+    start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe(kind))
+    ref = copy.deepcopy(model)
+    replaced = shard_hf_moe(model, ep_size=world)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": LR, "betas": BETAS, "eps": EPS,
+                                                      "weight_decay": 0.0}},
+              "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = deepshard.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, betas=BETAS, eps=EPS)
+    steps = []
+    for step in range(STEPS):
+        batches = [batch(VOCAB, n=2, seq=8, seed=100 * step + r) for r in range(world)]
+        got = engine(**batches[rank])
+        engine.backward(got.loss)
+        engine.step()
+        ref_opt.zero_grad()
+        want = [ref(**b) for b in batches]
+        (sum(w.loss for w in want) / world).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+        ref_opt.step()
+        mine = want[rank]
+        steps.append({"norm": norm, "loss": biggest(got.loss, mine.loss),
+                      "aux": biggest(got.aux_loss, mine.aux_loss),
+                      "router": max(biggest(a, b) for a, b in
+                                    zip(got.router_logits, mine.router_logits, strict=True))})
+    state, reference = hf_state_dict(engine.module), ref.state_dict()
+    report = {"rank": rank, "kind": kind, "stage": stage, "replaced": replaced,
+              "steps": steps, "keys_equal": list(state) == list(reference),
+              "params": max(biggest(state[k], v) for k, v in reference.items()),
+              "local_experts": len(model.get_submodule(replaced[0]).experts)}
+    save_pretrained(engine, out / "model")
+    if rank == 0:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+        loaded = plain.state_dict()
+        report["loaded_keys_equal"] = list(loaded) == list(reference)
+        report["loaded"] = max(biggest(loaded[k], v) for k, v in reference.items())
+        ids = batch(VOCAB, n=2, seq=8, seed=7)["input_ids"]
+        with torch.no_grad():
+            report["logits"] = biggest(plain(input_ids=ids).logits, ref(input_ids=ids).logits)
+    engine.destroy()
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--runs", nargs="+", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    deepshard.init_distributed()
+    reports = {}
+    for spec in args.runs:
+        kind, stage = spec.split(":")
+        reports[spec] = run(kind, int(stage), Path(args.out_dir) / spec.replace(":", "_"))
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "runs": reports}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
