@@ -31,7 +31,10 @@ through a stop file that every rank sees at the same step (every launcher must e
 leave no process behind on any host). The times are taken in this process when the
 line arrives: both jobs' lines come over the same kind of ssh channel.
 
-Also reported: the seconds the resumed job's ``load_checkpoint`` / ``torch.load`` took
+Also reported: the launcher's part of each phase (until rank 0 of the new world prints
+``BOOT``, before it imports torch: detection, teardown, re-rendezvous, process start; the
+rest is the script's own start: imports, process group, checkpoint load, a step), the
+seconds the resumed job's ``load_checkpoint`` / ``torch.load`` took
 (rank 0's), the steps run again after the kill (the checkpoint's step against the last
 step seen: 0 means nothing lost), and for ds-run when it logged the node's departure
 and return (``ds-run: elastic: ... left`` / ``joined``). The target: shrink within
@@ -296,10 +299,13 @@ def scenario(job, cluster: SimCluster, n: int, timeout: float) -> dict:
     if stray:
         raise JobFailed(f"processes left behind on the hosts: {stray}")
     loads = log.loads(t_kill)
+    boot_shrink, boot_grow = log.first("BOOT", t_kill), log.first("BOOT", t_return)
     before = max(s for t, s, w in log.steps() if w == n and t < t_shrunk)
     last_small = max(s for t, s, w in log.steps(t_kill) if w == n - 1 and t < t_grown)
     return {"status": "ok", "startup_s": t_warm - t_start,
             "shrink_s": t_shrunk - t_kill, "grow_s": t_grown - t_return,
+            "relaunch_shrink_s": None if boot_shrink is None else boot_shrink - t_kill,
+            "relaunch_grow_s": None if boot_grow is None else boot_grow - t_return,
             "load_shrink_s": next((s for t, _, s in loads if t <= t_shrunk), None),
             "load_grow_s": next((s for t, _, s in loads if t > t_return), None),
             "steps_redone_shrink": before + 1 - shrunk_step,
@@ -358,7 +364,7 @@ def _ratio(row: dict, peer: dict | None, key: str) -> str:
 def table_line(row: dict, rows: list[dict], monitor_timeout: float) -> str:
     """One row of the table; ds-run's with its ratios to torchrun's on as many hosts."""
     if row["status"] != "ok":
-        return f"| {row['hosts']} | {row['launcher']} | {row['status'][:80]} | | | | |"
+        return f"| {row['hosts']} | {row['launcher']} | {row['status'][:80]} | | | | | |"
     peer = next((p for p in rows if p["hosts"] == row["hosts"] and p["status"] == "ok"
                  and p["launcher"] == "torchrun"), None)
     load = row["load_shrink_s"] or 0.0
@@ -366,16 +372,18 @@ def table_line(row: dict, rows: list[dict], monitor_timeout: float) -> str:
         ("met" if row["shrink_s"] <= monitor_timeout + 5 + load else "missed")
     return (f"| {row['hosts']} | {row['launcher']} | {_s(row['shrink_s'])}"
             f"{_ratio(row, peer, 'shrink_s')} | {_s(row['grow_s'])}"
-            f"{_ratio(row, peer, 'grow_s')} | {load:.3f} / {row['load_grow_s'] or 0:.3f} | "
+            f"{_ratio(row, peer, 'grow_s')} | {_s(row['relaunch_shrink_s'])} / "
+            f"{_s(row['relaunch_grow_s'])} | {load:.3f} / {row['load_grow_s'] or 0:.3f} | "
             f"{row['steps_redone_shrink']} / {row['steps_redone_grow']} | {target} |")
 
 
 def table(rows: list[dict], monitor_timeout: float) -> list[str]:
     """The markdown table: one line per host count and launcher."""
     return ["| hosts | launcher | node lost -> steps on N-1 (s) | node back -> steps on N "
-            "(s) | checkpoint load, shrink / grow (s) | steps redone, shrink / grow | "
-            f"shrink <= {monitor_timeout:g} s + 5 s + load |",
-            "|---:|---|---:|---:|---:|---:|---|"] + [
+            "(s) | of which until rank 0 starts: lost / back (s) | checkpoint load: lost / "
+            "back (s) | steps redone: lost / back | shrink <= "
+            f"{monitor_timeout:g} s + 5 s + load |",
+            "|---:|---|---:|---:|---:|---:|---:|---|"] + [
         table_line(r, rows, monitor_timeout) for r in rows]
 
 

@@ -16,16 +16,21 @@ batch (``train_batch_size``, micro batch 1: the accumulation steps follow the wo
   temporary file renamed over ``WORKDIR/torch.pt`` after every step, and every rank loading
   it at start.
 
-Rank 0 prints ``RESUMED step S load_s X`` after a load (X: the seconds the load took) and
+Rank 0 prints ``BOOT`` first, before it imports torch (the launcher's part of a relaunch
+ends there), ``RESUMED step S load_s X`` after a load (X: the seconds the load took) and
 ``STEP <n> world <w>`` after each step's checkpoint. The job ends, on every rank at the
 same step, once ``WORKDIR/stop`` exists (an all-reduce of the flag every step).
 """
 
 from __future__ import annotations
 
+import os
+
+if os.environ.get("RANK") == "0":
+    print("BOOT", flush=True)
+
 import argparse
 import contextlib
-import os
 import time
 from pathlib import Path
 
