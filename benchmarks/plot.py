@@ -7,9 +7,10 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
     fanout.png   ds-run's ssh fan-out beside pdsh by host count
     bubble.png   the pipeline bubble measured beside the theory and the 1F1B simulator, by m
     launch.png   launch overhead of ds-run beside torchrun, DeepSpeed and plain python
+    elastic.png  seconds from a node's death / return to steps again, ds-run beside torchrun
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
-                              [--only zero,fanout,bubble,launch]
+                              [--only zero,fanout,bubble,launch,elastic]
 
 A missing or malformed record is one line naming the file, and exit status 2. Every
 number drawn comes from a record; the footer gives the run's date, commit and load.
@@ -30,7 +31,8 @@ from record import RESULTS, RecordError, read  # noqa: E402
 OUT = HERE.parent / "docs" / "plots"
 WIDTH_IN, DPI = 8.0, 100
 """Figures are 800 px wide: the README's width."""
-PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch"}
+PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
+         "elastic": "elastic"}
 """Plot name -> the benchmark record it draws."""
 COLORS = {"deepshard": "#1f77b4", "DeepSpeed": "#d62728", "torch, AdamW for-loop": "#7f7f7f",
           "torch, AdamW(fused=True)": "#bcbd22"}
@@ -276,7 +278,69 @@ def plot_launch(data: dict):
     return fig
 
 
-DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch}
+# ---------------------------------------------------------------- elastic.png
+
+ELASTIC_PHASES = {"shrink_s": ("relaunch_shrink_s", "node lost\n-> steps on {m}"),
+                  "grow_s": ("relaunch_grow_s", "node back\n-> steps on {n}")}
+"""Row key of each measured phase of elastic.png -> (its launcher part's key, label)."""
+ELASTIC_COLORS = {"ds-run": COLORS["deepshard"], "torchrun": "#7f7f7f"}
+
+
+def elastic_groups(rows: list[dict]) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """(label, [(phase key, row), ...]) per host count and phase, for the rows that ran."""
+    ran = [r for r in rows if r["status"] == "ok"]
+    if not ran:
+        raise PlotError("no row that ran")
+    groups = []
+    for n in sorted({r["hosts"] for r in ran}):
+        members = sorted((r for r in ran if r["hosts"] == n),
+                         key=lambda r: list(ELASTIC_COLORS).index(r["launcher"]))
+        for key, (_, label) in ELASTIC_PHASES.items():
+            groups.append((f"{n} hosts: " + label.format(m=n - 1, n=n),
+                           [(key, r) for r in members]))
+    return groups
+
+
+def plot_elastic(data: dict):
+    """Seconds to steps again after a node is lost and after it returns, per host count,
+    ds-run beside torchrun, hatched up to where the script starts again (the launcher's
+    part); a tick at ds-run's shrink target (monitor timeout + 5 s + its checkpoint load)."""
+    groups = elastic_groups(data["rows"])
+    monitor = data["settings"]["monitor_timeout"]
+    fig, ax = _figure(4.4)
+    width = 0.38
+    for g, (_, members) in enumerate(groups):
+        for i, (key, row) in enumerate(members):
+            x = g + (i - (len(members) - 1) / 2) * width
+            ax.bar(x, row[key], width * 0.95, color=ELASTIC_COLORS[row["launcher"]],
+                   label=row["launcher"])
+            part = row.get(ELASTIC_PHASES[key][0])
+            if part is not None:
+                ax.bar(x, part, width * 0.95, fill=False, hatch="///", edgecolor="#333333",
+                       linewidth=0, label="of it: the launcher's part (until the script starts)")
+            ax.annotate(f"{row[key]:.1f}", (x, row[key]), textcoords="offset points",
+                        xytext=(0, 2), ha="center", fontsize=7)
+            if key == "shrink_s" and row["launcher"] == "ds-run":
+                target = monitor + 5 + (row["load_shrink_s"] or 0.0)
+                ax.plot([x - width / 2, x + width / 2], [target] * 2, color="black",
+                        linewidth=1.5, label=f"target: --monitor_timeout {monitor:g} s + 5 s "
+                        "+ checkpoint load")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    ax.set_ylabel("seconds until training steps again")
+    ax.set_ylim(0, 1.3 * max(row[key] for _, members in groups for key, row in members))
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7.5, loc="upper center", ncol=2)
+    ax.set_title("Elastic training: host 2 killed (every process, its sshd too), then back; "
+                 "one worker per host", fontsize=10)
+    _layout(fig)
+    return fig
+
+
+DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
+        "elastic": plot_elastic}
 
 
 # ---------------------------------------------------------------- command line
