@@ -26,7 +26,7 @@ names and shapes and :func:`save_pretrained` writes the HF format with them
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 FUSED = ("gate_up_proj", "down_proj")
 """The parameters of a transformers 5 fused experts module, in its registration order."""
 _WHERE = "deepshard.moe.hf.shard_hf_moe"
+PRESETS = {"mixtral": ("mixtral",), "qwen3_moe": ("qwen3_moe", "qwen2_moe")}
+"""DeepSpeed AutoEP's ``preset_model`` names this adapter covers -> the HF model types."""
+AUTOEP_KEYS = ("enabled", "autoep_size", "preset_model", "use_grouped_mm")
+"""The keys of DeepSpeed's ``expert_parallel`` section read here (``use_grouped_mm``:
+accepted, the local experts always run as one batched matmul)."""
 
 
 class HFExpert(nn.Module):
@@ -262,3 +267,39 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, **kwargs: An
     mine = bool(main) if main is not None else rank == 0
     hf_save.save_pretrained(engine, save_directory, state_dict=state if mine else None,
                             **kwargs)
+
+
+def apply_expert_parallel(model: nn.Module, section: Mapping[str, Any], dp_group: Any = None
+                          ) -> dict[int, list[nn.Parameter]]:
+    """DeepSpeed's ``expert_parallel`` config section (AutoEP: ``{"enabled": true,
+    "autoep_size": 2, "preset_model": "mixtral"}``): when enabled,
+    :func:`shard_hf_moe` with ``autoep_size``. Returns, by the ``id`` of each fused
+    parameter replaced, the per-expert parameters standing for it on this rank (so that
+    optimizer param groups built over the unsharded model can be mapped); ``{}`` when
+    disabled. A key of DeepSpeed's this adapter does not implement is a one-line error."""
+    where = "expert_parallel"
+    for key in section:
+        if key not in AUTOEP_KEYS:
+            raise UsageError(f"{key} is not supported by deepshard's expert parallelism",
+                             where=f"{where}.{key}",
+                             hint=f"remove it (supported: {', '.join(AUTOEP_KEYS)})")
+    if not section.get("enabled", False):
+        return {}
+    size = section.get("autoep_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise UsageError(f"autoep_size={size!r} must be a positive integer",
+                         where=f"{where}.autoep_size", hint="set the expert-parallel size")
+    preset = section.get("preset_model")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if preset is not None and model_type not in PRESETS.get(preset, ()):
+        raise UsageError(f"preset_model {preset!r} does not match this model "
+                         f"(model_type {model_type!r})", where=f"{where}.preset_model",
+                         hint=f"leave it out, or use one of {', '.join(sorted(PRESETS))}")
+    before = {name: dict(m.named_parameters(recurse=False)) for name, m in fused_experts(model)}
+    shard_hf_moe(model, size, dp_group)
+    out: dict[int, list[nn.Parameter]] = {}
+    for name, params in before.items():
+        layer = model.get_submodule(name)
+        for attr, old in params.items():
+            out[id(old)] = [getattr(e, attr) for e in layer.experts]
+    return out

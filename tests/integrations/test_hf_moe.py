@@ -5,8 +5,9 @@ In one process (ep 1) the adapted model computes what the HF model computes, for
 backward; on 2 gloo ranks (ep 2, ``scripts/hf_moe_train.py``) three Adam steps through
 deepshard (ZeRO 0, 1, 2, gradient clipping) equal the unsharded HF model trained in one
 process on both ranks' batches (1e-5: losses, load-balancing losses, router logits,
-every parameter), and the HF-format save loads with ``from_pretrained`` into a plain
-model equal to that reference."""
+every parameter), the HF-format save loads with ``from_pretrained`` into a plain model
+equal to that reference, and an engine checkpoint taken at ep 2 goes on at ep 1 (experts
+and their Adam state found by global expert id) exactly as the reference does."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import torch
 import transformers
 
 from deepshard.errors import UsageError
-from deepshard.moe.hf import HFExpertParallel, hf_state_dict, shard_hf_moe
+from deepshard.moe.hf import HFExpertParallel, apply_expert_parallel, hf_state_dict, shard_hf_moe
 from deepshard.runtime.build.moe import global_names
 from tests.helpers import ROOT, run_ds, tagged_json
 from tests.integrations.scripts.hf_moe_train import VOCAB, tiny_moe
 from tests.integrations.tiny import batch, tiny_config
 
 SCRIPT = ROOT / "tests" / "integrations" / "scripts" / "hf_moe_train.py"
-RUNS = ("mixtral:0", "qwen3_moe:2", "qwen2_moe:1")
+RUNS = ("mixtral:0:ep1", "qwen3_moe:2:ep1", "qwen2_moe:1")
 
 
 def tiny(kind: str):
@@ -91,10 +92,31 @@ def test_two_ranks_train_like_the_unsharded_model_and_save_hf_format(tmp_path):
         assert sorted(report["runs"]) == sorted(RUNS)
         for spec, run in report["runs"].items():
             assert run["local_experts"] == 2 and run["keys_equal"], (spec, run)
-            for step in run["steps"]:
+            for step in run["steps"] + run.get("resumed_steps", []):
                 assert step["norm"] > 0.5, (spec, step)  # clipping acted
                 assert max(step["loss"], step["aux"], step["router"]) < 1e-5, (spec, step)
             assert run["params"] < 1e-5, (spec, run)
+            if spec.endswith(":ep1"):  # the ep 2 checkpoint went on at ep 1, Adam state too
+                assert len(run["resumed_steps"]) == 1, (spec, run)
+                assert run["resumed"] == {"keys_equal": True, "params": run["resumed"]["params"]}
+                assert run["resumed"]["params"] < 1e-5, (spec, run)
             if rank == 0:
                 assert run["loaded_keys_equal"], (spec, run)
                 assert max(run["loaded"], run["logits"]) < 1e-5, (spec, run)
+
+
+def test_deepspeed_expert_parallel_section():
+    model = tiny("qwen2_moe")
+    fused = model.model.layers[0].mlp.experts.gate_up_proj
+    assert apply_expert_parallel(model, {"enabled": False, "autoep_size": 2}) == {}
+    assert model.model.layers[0].mlp.experts.gate_up_proj is fused
+    mapped = apply_expert_parallel(model, {"enabled": True, "autoep_size": 1,
+                                           "preset_model": "qwen3_moe"})
+    experts = model.model.layers[0].mlp.experts.experts
+    assert mapped[id(fused)] == [e.gate_up_proj for e in experts] and len(mapped) == 4
+    for section, match in [({"enabled": True, "comm_backend": "deepep"},
+                            "expert_parallel.comm_backend: .* not supported"),
+                           ({"enabled": True, "autoep_size": "2"}, "autoep_size='2'"),
+                           ({"enabled": True, "preset_model": "mixtral"}, "does not match")]:
+        with pytest.raises(UsageError, match=match):
+            apply_expert_parallel(tiny("qwen2_moe"), section)

@@ -4,7 +4,8 @@ the unsharded model with torch's Adam on every rank's batch; save in the HF form
 
     ds-run --num_gpus 2 hf_moe_train.py --out_dir OUT --runs mixtral:0 qwen3_moe:2
 
-A run is ``kind:stage``. Every rank prints ``RESULT {json}``: per step the largest
+A run is ``kind:stage[:ep1]`` (``ep1``: then checkpoint, load the checkpoint at ep 1 and
+take one more step). Every rank prints ``RESULT {json}``: per step the largest
 difference of its loss, load-balancing loss and router logits from the reference's on its
 batch, and after the steps that of every parameter (experts gathered back under HF
 names); rank 0 adds that of the state dict ``from_pretrained`` loads from the save, and
@@ -57,22 +58,21 @@ def biggest(a, b) -> float:
     return float((a.detach().float() - b.detach().float()).abs().max())
 
 
-def run(kind: str, stage: int, out: Path) -> dict:
-    start = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_moe(kind))
-    ref = copy.deepcopy(model)
-    replaced = shard_hf_moe(model, ep_size=world)
+def make_engine(model, stage: int):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": LR, "betas": BETAS, "eps": EPS,
                                                       "weight_decay": 0.0}},
               "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
     engine, _, _, _ = deepshard.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, betas=BETAS, eps=EPS)
-    steps = []
-    for step in range(STEPS):
+    return engine
+
+
+def train(engine, ref, ref_opt, steps: range) -> list[dict]:
+    """Steps of the engine and of the reference (every rank's batch, the mean loss)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for step in steps:
         batches = [batch(VOCAB, n=2, seq=8, seed=100 * step + r) for r in range(world)]
         got = engine(**batches[rank])
         engine.backward(got.loss)
@@ -83,24 +83,58 @@ def run(kind: str, stage: int, out: Path) -> dict:
         norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
         ref_opt.step()
         mine = want[rank]
-        steps.append({"norm": norm, "loss": biggest(got.loss, mine.loss),
-                      "aux": biggest(got.aux_loss, mine.aux_loss),
-                      "router": max(biggest(a, b) for a, b in
-                                    zip(got.router_logits, mine.router_logits, strict=True))})
+        out.append({"norm": norm, "loss": biggest(got.loss, mine.loss),
+                    "aux": biggest(got.aux_loss, mine.aux_loss),
+                    "router": max(biggest(a, b) for a, b in
+                                  zip(got.router_logits, mine.router_logits, strict=True))})
+    return out
+
+
+def compared(engine, ref) -> dict:
     state, reference = hf_state_dict(engine.module), ref.state_dict()
+    return {"keys_equal": list(state) == list(reference),
+            "params": max(biggest(state[k], v) for k, v in reference.items())}
+
+
+def loaded(path: Path, ref) -> dict:
+    """The HF-format save loaded into a plain model, against the reference."""
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path)
+    state, reference = plain.state_dict(), ref.state_dict()
+    ids = batch(VOCAB, n=2, seq=8, seed=7)["input_ids"]
+    with torch.no_grad():
+        logits = biggest(plain(input_ids=ids).logits, ref(input_ids=ids).logits)
+    return {"loaded_keys_equal": list(state) == list(reference),
+            "loaded": max(biggest(state[k], v) for k, v in reference.items()),
+            "logits": logits}
+
+
+def run(kind: str, stage: int, reshard: bool, out: Path) -> dict:
+    """Train at ep = world size; save in the HF format; with ``reshard``, checkpoint, load
+    the checkpoint into a model sharded at ep 1 (from other weights) and take one step."""
+    start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe(kind))
+    ref = copy.deepcopy(model)
+    replaced = shard_hf_moe(model, ep_size=world)
+    engine = make_engine(model, stage)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, betas=BETAS, eps=EPS)
     report = {"rank": rank, "kind": kind, "stage": stage, "replaced": replaced,
-              "steps": steps, "keys_equal": list(state) == list(reference),
-              "params": max(biggest(state[k], v) for k, v in reference.items()),
+              "steps": train(engine, ref, ref_opt, range(STEPS)), **compared(engine, ref),
               "local_experts": len(model.get_submodule(replaced[0]).experts)}
     save_pretrained(engine, out / "model")
     if rank == 0:
-        plain = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
-        loaded = plain.state_dict()
-        report["loaded_keys_equal"] = list(loaded) == list(reference)
-        report["loaded"] = max(biggest(loaded[k], v) for k, v in reference.items())
-        ids = batch(VOCAB, n=2, seq=8, seed=7)["input_ids"]
-        with torch.no_grad():
-            report["logits"] = biggest(plain(input_ids=ids).logits, ref(input_ids=ids).logits)
+        report.update(loaded(out / "model", ref))
+    if reshard:
+        engine.save_checkpoint(str(out / "ckpt"))
+        engine.destroy()
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_moe(kind))
+        shard_hf_moe(model, ep_size=1)
+        engine = make_engine(model, stage)
+        engine.load_checkpoint(str(out / "ckpt"))
+        report["resumed_steps"] = train(engine, ref, ref_opt, range(STEPS, STEPS + 1))
+        report["resumed"] = compared(engine, ref)
     engine.destroy()
     report["seconds"] = time.perf_counter() - start
     return report
@@ -115,8 +149,9 @@ def main() -> None:
     deepshard.init_distributed()
     reports = {}
     for spec in args.runs:
-        kind, stage = spec.split(":")
-        reports[spec] = run(kind, int(stage), Path(args.out_dir) / spec.replace(":", "_"))
+        kind, stage, *rest = spec.split(":")
+        reports[spec] = run(kind, int(stage), rest == ["ep1"],
+                            Path(args.out_dir) / spec.replace(":", "_"))
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "runs": reports}), flush=True)
 
 
