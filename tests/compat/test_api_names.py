@@ -35,17 +35,24 @@ NAMES = [
     "monitor.config.DeepSpeedMonitorConfig",
     "runtime.fp16.onebit.adam.OnebitAdam", "runtime.fp16.onebit.zoadam.ZeroOneAdam",
     "runtime.fp16.onebit.lamb.OnebitLamb",
+    "sequence.layer.DistributedAttention", "sequence.layer._SeqAllToAll",
+    "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
+    "runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter",
+    "runtime.sequence_parallel.ulysses_sp.TiledMLP",
+    "runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss",
 ]
 
 PROBE = """
 import importlib, json, sys
 import deepspeed, deepshard
+# DeepSpeed modules whose deepshard counterpart lives elsewhere
+HOMES = {"runtime.sequence_parallel.ulysses_sp": "sequence"}
 out = {}
 for name in sys.argv[1:]:
     mod, _, attr = name.rpartition(".")
     ds = importlib.import_module("deepspeed." + mod) if mod else deepspeed
     own = deepshard
-    for part in mod.split(".") if mod else ():
+    for part in HOMES.get(mod, mod).split(".") if mod else ():
         own = getattr(own, part)  # deepshard.zero is an attribute, not a module
     out[name] = getattr(ds, attr) is getattr(own, attr)
 print(json.dumps(out))

@@ -32,13 +32,25 @@ if TYPE_CHECKING:  # typing, collections.abc and importlib.abc cost ~50 ms in ev
 
 ALIAS = "deepspeed"
 TARGET = "deepshard"
+REDIRECTS = {
+    # ALST's module: its names are deepshard.sequence's (that package exports them)
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": "deepshard.sequence",
+    "deepspeed.runtime.sequence_parallel": "deepshard.sequence",
+}
+"""DeepSpeed modules (and what is under them) whose deepshard counterpart has another
+name than ``deepshard.<the same path>``; the longest listed prefix wins."""
 
 
 def target_name(name: str) -> str:
     """The deepshard module behind ``name`` (``deepspeed`` or ``deepspeed.x.y``), through
     deepshard's attribute modules (``deepspeed.zero`` → ``deepshard.runtime.zero``)."""
     assert name == ALIAS or name.startswith(ALIAS + "."), name
-    parts = name.split(".")[1:]
+    parts = name.split(".")
+    for end in range(len(parts), 1, -1):
+        redirect = REDIRECTS.get(".".join(parts[:end]))
+        if redirect is not None:
+            return ".".join([redirect, *parts[end:]])
+    parts = parts[1:]
     if not parts:
         return TARGET
     modules: dict[str, str] = getattr(importlib.import_module(TARGET), "_MODULES", {})
@@ -75,6 +87,8 @@ class AliasLoader:
     def exec_module(self, module: ModuleType) -> None:
         # the import system set the alias's spec on the module: give it back its own
         module.__spec__ = self._spec
+        if hasattr(module, "__path__"):
+            _submodules_as_attributes(module)
 
 
 class AliasFinder:
@@ -125,6 +139,30 @@ def real_deepspeed(shim_dir: str, path: Sequence[str] | None = None) -> str | No
     return next(iter(locations)) if locations else spec.origin
 
 
+def _submodules_as_attributes(package: ModuleType) -> None:
+    """``deepspeed.moe.layer.MoE`` after only ``import deepspeed.moe.utils``: DeepSpeed's
+    packages import their submodules eagerly, deepshard's lazily, so an attribute the
+    package lacks is looked up as its submodule (imported then). The package's own
+    ``__getattr__``, if any, is asked first; the module object stays the same."""
+    original: Callable[[str], Any] | None = package.__dict__.get("__getattr__")
+    if getattr(original, "_deepspeed_compat", False):
+        return
+    name = package.__name__
+
+    def __getattr__(attr: str) -> Any:
+        if original is not None:
+            try:
+                return original(attr)
+            except AttributeError:
+                pass
+        if not attr.startswith("__") and _exists(f"{name}.{attr}"):
+            return importlib.import_module(f"{name}.{attr}")
+        raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+
+    __getattr__._deepspeed_compat = True  # type: ignore[attr-defined]
+    package.__getattr__ = __getattr__  # type: ignore[method-assign]
+
+
 def _explain_missing_attributes(deepshard: ModuleType) -> None:
     """``deepspeed.init_inference`` and the like: one line naming the closest feature.
 
@@ -140,6 +178,8 @@ def _explain_missing_attributes(deepshard: ModuleType) -> None:
         try:
             return original(name)
         except AttributeError:
+            if not name.startswith("__") and _exists(f"{TARGET}.{name}"):
+                return importlib.import_module(f"{TARGET}.{name}")  # deepspeed.moe
             error = attribute_error(name)
             if error is None:
                 raise

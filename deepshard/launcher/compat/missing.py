@@ -36,7 +36,6 @@ _NVME = ("NVMe offload is the config's zero_optimization.offload_optimizer/offlo
 _CPU_OFFLOAD = "CPU offload is the config's zero_optimization.offload_optimizer.device \"cpu\""
 _CHECKPOINTS = ("engine.save_checkpoint/load_checkpoint; deepshard.get_fp32_state_dict "
                 "consolidates a ZeRO checkpoint")
-_NOT_YET = "not in deepshard yet; run without --deepspeed_compat to use DeepSpeed itself"
 
 MODULES: dict[str, Missing] = {
     "deepspeed.inference": _INFERENCE,
@@ -83,7 +82,6 @@ MODULES: dict[str, Missing] = {
                                     "job after a failure"),
     "deepspeed.linear": Missing("OptimizedLinear / LoRA", "no deepshard equivalent; peft "
                                 "provides LoRA layers"),
-    "deepspeed.sequence": Missing("Ulysses sequence parallelism", _NOT_YET),
     "deepspeed.compile": Missing("DeepCompile", "call torch.compile on the model"),
     "deepspeed.checkpoint": Missing("universal checkpoints (DeepSpeedCheckpoint, "
                                     "ds_to_universal)", _CHECKPOINTS),
@@ -120,7 +118,10 @@ MODULES: dict[str, Missing] = {
                                         "tensor_parallel.autotp_size"),
     "deepspeed.runtime.checkpoint_engine": Missing("pluggable checkpoint engines",
                                                    _CHECKPOINTS),
-    "deepspeed.runtime.sequence_parallel": Missing("Ulysses sequence parallelism", _NOT_YET),
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": Missing(
+        "ALST's module-level sequence-parallel groups (parallel_state_sp)",
+        "UlyssesSPAttentionHF.register_with_transformers returns the groups as mpu; "
+        "deepshard.sequence.hf.sequence_groups(size) builds them without transformers"),
 }
 """DeepSpeed 0.19.8 modules (by dotted name) deepshard does not provide."""
 
