@@ -71,13 +71,30 @@ TOLERANCE = {"tiled_mlp": (torch.float64, 1e-12), "tiled_mlp_auto": (torch.float
              "tiled_logits": (torch.float32, 1e-5), "both": (torch.float32, 1e-5)}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("switch", list(SWITCHES))
-def test_switch_keeps_loss_and_gradients(kind, switch):
+@pytest.fixture(scope="module")
+def reference():
+    """The plain model of a kind and dtype with its loss and gradients, built once per
+    module (each switch then runs on a copy)."""
+    built: dict = {}
+
+    def get(kind, dtype):
+        if (kind, dtype) not in built:
+            plain = tiny(kind, dtype=dtype)
+            built[kind, dtype] = plain, step(plain, *batch())
+        return built[kind, dtype]
+
+    return get
+
+
+# each switch alone on Llama; on Qwen2 (GQA, untied head) both together, which needs each
+CASES = [("llama", switch) for switch in SWITCHES] + [("qwen2", "both")]
+
+
+@pytest.mark.parametrize(("kind", "switch"), CASES)
+def test_switch_keeps_loss_and_gradients(reference, kind, switch):
     dtype, atol = TOLERANCE[switch]
-    plain = tiny(kind, dtype=dtype)
+    plain, want = reference(kind, dtype)
     ids, labels = batch()
-    want = step(plain, ids, labels)
     model = copy.deepcopy(plain)
     applied = apply_alst(model, options(**SWITCHES[switch]))
     assert applied
