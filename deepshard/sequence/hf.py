@@ -12,6 +12,9 @@ ranks), runs the real attention causally over the whole sequence and exchanges t
 output back. The model's shard-sized attention mask is dropped: batches are right-padded
 with ``-100`` labels on the padding (:mod:`.loader`), where causal attention of the real
 tokens is exact. :func:`unregister_from_transformers` puts transformers' own back.
+deepshard's HF ``Trainer`` makes this call itself when the config's
+``sequence_parallel_size`` (or HF's ``parallelism_config.sp_size``) is above 1
+(:mod:`deepshard.integrations.hf_trainer`).
 
 Each layer's ``module.num_key_value_groups`` is left alone: the attention sees a stand-in
 of the module with the local ratio of query to key/value heads.
