@@ -26,6 +26,7 @@ names and shapes and :func:`save_pretrained` writes the HF format with them
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ FUSED = ("gate_up_proj", "down_proj")
 _WHERE = "deepshard.moe.hf.shard_hf_moe"
 PRESETS = {"mixtral": ("mixtral",), "qwen3_moe": ("qwen3_moe", "qwen2_moe")}
 """DeepSpeed AutoEP's ``preset_model`` names this adapter covers -> the HF model types."""
+_PER_EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_up_proj|down_proj)")
 AUTOEP_KEYS = ("enabled", "autoep_size", "preset_model", "use_grouped_mm")
 """The keys of DeepSpeed's ``expert_parallel`` section read here (``use_grouped_mm``:
 accepted, the local experts always run as one batched matmul)."""
@@ -243,6 +245,32 @@ def hf_state_dict(model: nn.Module) -> dict[str, Tensor]:
         for name, full in layers[owner].full_weights().items():
             out[f"{owner}.{name}"] = full
     return out
+
+
+def fused_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A state dict of a sharded model's names (``{experts}.experts.{global id}.gate_up_proj``,
+    e.g. ``deepshard.get_fp32_state_dict`` of its checkpoint, which holds every expert) with
+    each layer's experts stacked back into transformers' ``{experts}.gate_up_proj`` and
+    ``{experts}.down_proj``, in place of the first; ``load_state_dict`` of the plain HF model
+    takes it. Pure; a layer missing some expert id is a one-line error."""
+    grouped: dict[str, dict[int, Tensor]] = {}
+    out: dict[str, Tensor | None] = {}
+    for key, value in state.items():
+        m = _PER_EXPERT.fullmatch(key)
+        if m is None:
+            out[key] = value
+            continue
+        fused = f"{m.group(1)}.{m.group(3)}"
+        out.setdefault(fused, None)
+        grouped.setdefault(fused, {})[int(m.group(2))] = value
+    for fused, experts in grouped.items():
+        if sorted(experts) != list(range(len(experts))):
+            missing = sorted(set(range(max(experts) + 1)) - set(experts))
+            raise UsageError(f"{fused} lacks experts {missing}", where="state dict",
+                             hint="consolidate the whole checkpoint "
+                                  "(deepshard.get_fp32_state_dict) first")
+        out[fused] = torch.stack([experts[g] for g in range(len(experts))])
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def save_pretrained(engine: Any, save_directory: str | os.PathLike, **kwargs: Any) -> None:

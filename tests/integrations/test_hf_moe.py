@@ -18,7 +18,13 @@ import torch
 import transformers
 
 from deepshard.errors import UsageError
-from deepshard.moe.hf import HFExpertParallel, apply_expert_parallel, hf_state_dict, shard_hf_moe
+from deepshard.moe.hf import (
+    HFExpertParallel,
+    apply_expert_parallel,
+    fused_state_dict,
+    hf_state_dict,
+    shard_hf_moe,
+)
 from deepshard.runtime.build.moe import global_names
 from tests.helpers import ROOT, run_ds, tagged_json
 from tests.integrations.scripts.hf_moe_train import VOCAB, tiny_moe
@@ -55,10 +61,11 @@ def test_one_rank_computes_what_the_hf_model_computes(kind):
         else:
             want_grad = grads[name]
         torch.testing.assert_close(p.grad, want_grad, rtol=0, atol=1e-6, msg=name)
-    state, reference = hf_state_dict(model), ref.state_dict()
-    assert list(state) == list(reference)
-    for key, value in reference.items():
-        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    reference = ref.state_dict()
+    for state in (hf_state_dict(model), fused_state_dict(model.state_dict())):
+        assert list(state) == list(reference)
+        for key, value in reference.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
 
 
 def test_experts_are_named_by_global_id_and_marked():
@@ -80,6 +87,9 @@ def test_bad_input_is_one_line_with_a_hint():
         shard_hf_moe(tiny("mixtral"), 3)
     with pytest.raises(UsageError, match="positive integer"):
         shard_hf_moe(tiny("mixtral"), 0)
+    half = {"m.experts.experts.1.down_proj": torch.zeros(2, 2)}
+    with pytest.raises(UsageError, match=r"m.experts.down_proj lacks experts \[0\]"):
+        fused_state_dict(half)
 
 
 def test_two_ranks_train_like_the_unsharded_model_and_save_hf_format(tmp_path):
@@ -96,6 +106,9 @@ def test_two_ranks_train_like_the_unsharded_model_and_save_hf_format(tmp_path):
                 assert step["norm"] > 0.5, (spec, step)  # clipping acted
                 assert max(step["loss"], step["aux"], step["router"]) < 1e-5, (spec, step)
             assert run["params"] < 1e-5, (spec, run)
+            if spec.endswith(":ep1") and rank == 0:  # consolidated, experts fused back
+                assert run["consolidated_keys_equal"], (spec, run)
+                assert run["consolidated"] < 1e-5, (spec, run)
             if spec.endswith(":ep1"):  # the ep 2 checkpoint went on at ep 1, Adam state too
                 assert len(run["resumed_steps"]) == 1, (spec, run)
                 assert run["resumed"] == {"keys_equal": True, "params": run["resumed"]["params"]}

@@ -26,7 +26,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import deepshard
-from deepshard.moe.hf import hf_state_dict, save_pretrained, shard_hf_moe
+from deepshard.moe.hf import fused_state_dict, hf_state_dict, save_pretrained, shard_hf_moe
 from tests.integrations.tiny import batch
 
 VOCAB = 64
@@ -128,6 +128,12 @@ def run(kind: str, stage: int, reshard: bool, out: Path) -> dict:
     if reshard:
         engine.save_checkpoint(str(out / "ckpt"))
         engine.destroy()
+        dist.barrier()
+        if rank == 0:  # every expert consolidated from the rank files, fused back
+            state = fused_state_dict(deepshard.get_fp32_state_dict(out / "ckpt"))
+            report["consolidated_keys_equal"] = list(state) == list(ref.state_dict())
+            report["consolidated"] = max(biggest(state[k], v)
+                                         for k, v in ref.state_dict().items())
         torch.manual_seed(1)
         model = transformers.AutoModelForCausalLM.from_config(tiny_moe(kind))
         shard_hf_moe(model, ep_size=1)
