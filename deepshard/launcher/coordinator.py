@@ -272,7 +272,12 @@ class Coordinator:
 
     def _check_silence(self, watched: set[int], now: float) -> None:
         """A remote agent that has said nothing (not even ``alive``) for too long is lost;
-        a local one cannot fall silent without its pipe closing, so it is never timed out."""
+        a local one cannot fall silent without its pipe closing, so it is never timed out.
+        Once the job is stopping, silence says nothing: an agent stopping its workers (up
+        to the stop grace) sends no ``alive``, and the give-up time of :meth:`_stop_all`
+        ends one that never finishes; a host that dies meanwhile is found on relaunch."""
+        if self._stopping:
+            return
         for i in watched:
             agent = self._agents[i]
             silent = now - self._last_heard[i]

@@ -97,3 +97,37 @@ def test_max_nodes_and_world_sizes_choose_a_prefix():
 def test_no_allowed_world_size_at_the_start():
     _, decision = begin(policy(world_sizes=frozenset({5})))
     assert isinstance(decision, Stop) and "allowed world size (5)" in decision.reason
+
+
+# -- what the elastic driver is told is lost: the coordinator's lost_hosts ---------------------
+
+def test_an_agent_slow_to_stop_is_not_a_lost_host():
+    """One host's channel closes (lost); the others take longer than --monitor_timeout to
+    stop their workers (an agent sends no ``alive`` meanwhile): only the first is lost."""
+    import io
+    import threading
+
+    from deepshard import contract
+    from deepshard.launcher.coordinator import Coordinator
+    from tests.unit.launcher.test_coordinator import ScriptedAgent, ScriptedBackend, ev, plan
+
+    class SlowToStop(ScriptedAgent):
+        def stop(self) -> None:
+            self.stopped = True
+            threading.Timer(1.5, self._ended.put, args=(True,)).start()
+
+    class Backend(ScriptedBackend):
+        def start(self, node):
+            lines, hold = self.scripts[node.host]
+            kind = SlowToStop if hold else ScriptedAgent
+            self.agents[node.host] = kind(node, lines, hold)
+            return self.agents[node.host]
+
+    started = [ev(contract.Started(pids={}))]
+    backend = Backend({"a": (started, True), "b": (started, False), "c": (started, True)})
+    coordinator = Coordinator(plan(["a", "b", "c"], local=False), backend, out=io.StringIO(),
+                              err=io.StringIO(), monitor_timeout=0.5)
+    assert coordinator.run() == 1
+    assert coordinator.lost_hosts == ["b"]
+    assert coordinator.failure is not None and coordinator.failure.reason == "lost the agent on b"
+    assert not backend.agents["a"].killed and not backend.agents["c"].killed
