@@ -3,10 +3,11 @@ experts, top-2, Adam), against one process holding every expert on the same glob
 
 ``moe_checkpoint.py first DIR`` (4 ranks): per chain (ZeRO stages), ``N`` steps at ep 2,
 ``save_checkpoint``; a fresh engine at ep 4 loads it, trains ``M`` steps, saves. Between
-backward and step of the last ep 4 step it reads ``safe_get_full_*`` of its experts.
+backward and step of each phase's last step it reads ``safe_get_full_*`` of its experts.
 ``moe_checkpoint.py second DIR`` (2 ranks, 2 micro-batches each): ep 1 loads the ep 4
 checkpoint, trains ``K`` steps, saves; rank 0 also consolidates every saved checkpoint
-(``get_fp32_state_dict_from_zero_checkpoint``). Each reports ``RESULT <json>``: per chain,
+(``get_fp32_state_dict_from_zero_checkpoint``, the ep 4 one also through the file
+``convert_zero_checkpoint_to_fp32_state_dict`` writes). Each reports ``RESULT <json>``: per chain,
 per-step loss and weight differences from the reference, the consolidated state dicts'
 keys and differences, and the ``safe_get_full_*`` differences.
 """
@@ -27,7 +28,10 @@ from deepshard.utils import (
     safe_get_full_grad,
     safe_get_full_optimizer_state,
 )
-from deepshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from deepshard.utils.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
 
 N, M, K, RANKS = 3, 2, 2, 4  # steps per phase; micro-batches per global batch
 CHAINS = {"s2": (2, 1, 2), "s0": (0, 0, 0)}  # ZeRO stage at ep 2, ep 4, ep 1
@@ -70,58 +74,57 @@ def engine_for(ep: int, stage: int, gas: int):
     return engine
 
 
-def train(engine, ep: int, first: int, steps: int, gas: int, ref_states, ref_losses,
-          probe=None) -> dict:
-    """``steps`` global steps from step ``first``; loss and weight differences per step."""
+def train(engine, ep: int, first: int, steps: int, gas: int, ref_states, ref_losses
+          ) -> dict:
+    """``steps`` global steps from step ``first``: loss and weight differences per step,
+    and :func:`safe_get` before the last step's update."""
     rank = dist.get_rank()
-    loss_diffs, weight_diffs = [], []
+    out: dict = {"loss": [], "weights": []}
     for step in range(first, first + steps):
         xs = mc.batch(step, RANKS)
         for j in range(gas):
             mb = rank * gas + j
             loss = engine(xs[mb])
             engine.backward(loss)
-            loss_diffs.append(abs(float(loss.detach()) - ref_losses[step][mb]))
-            if probe is not None and step == first + steps - 1 and j == gas - 1:
-                probe(engine, step)
+            out["loss"].append(abs(float(loss.detach()) - ref_losses[step][mb]))
+            if step == first + steps - 1 and j == gas - 1:
+                out["safe_get"] = safe_get(engine, step, ep)
             engine.step()  # every micro-batch: it applies at the boundary
-        weight_diffs.append(mc.max_diff(engine.module, ref_states[step], ep))
-    return {"loss": loss_diffs, "weights": weight_diffs}
+        out["weights"].append(mc.max_diff(engine.module, ref_states[step], ep))
+    return out
 
 
-def safe_get_probe(out: dict, ref_grads: dict, ref_adam: dict, ep: int):
-    """Reads every expert parameter's full fp32 value, gradient and Adam state between
-    backward and step; stores the largest difference from the reference's."""
-
-    def probe(engine, step: int) -> None:
-        worst = {"param": 0.0, "grad": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
-        before = reference(step)[1][step - 1]  # the weights this step starts from
-        for name, p in engine.module.named_parameters():
-            if ".deepspeed_experts." not in name:
-                continue
-            gname = mc.to_global(name, ep, mc.ep_rank_of(ep))
-            got = {"param": safe_get_full_fp32_param(p), "grad": safe_get_full_grad(p),
-                   "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
-                   "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
-            want = {"param": before[gname], "grad": ref_grads[gname],
-                    **ref_adam[gname]}
-            for key in worst:
-                worst[key] = max(worst[key], float((got[key].float() - want[key]).abs().max()))
-        out["safe_get"] = worst
-
-    return probe
+def safe_get(engine, step: int, ep: int) -> dict[str, float]:
+    """Between backward and step ``step``: the largest difference of every expert
+    parameter's ``safe_get_full_*`` value, gradient and Adam moments from the reference's
+    (the weights and moments it starts the step with, the step's gradient)."""
+    ref, states, _ = reference(step + 1)
+    before = states[step - 1] if step else mc.reference_state(case(1, 0))
+    moments = adam_moments(step)
+    worst = {"param": 0.0, "grad": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+    for name, p in engine.module.named_parameters():
+        if ".deepspeed_experts." not in name:
+            continue
+        gname = mc.to_global(name, ep, mc.ep_rank_of(ep))
+        got = {"param": safe_get_full_fp32_param(p), "grad": safe_get_full_grad(p),
+               "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+               "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+        want = {"param": before[gname], "grad": ref.grads[gname], **moments[gname]}
+        for key in worst:
+            worst[key] = max(worst[key], float((got[key].float() - want[key]).abs().max()))
+    return worst
 
 
-def adam_state_before(step: int) -> dict:
-    """Each parameter's Adam moments after ``step`` steps (by global name)."""
-    ref = reference(step)[0]
+def adam_moments(steps: int) -> dict:
+    """Each parameter's Adam moments after ``steps`` steps (by global name)."""
+    ref = reference(steps)[0]
     names = {id(p): n for n, p in ref.net.named_parameters()}
     return {names[id(p)]: {k: s[k].clone() for k in ("exp_avg", "exp_avg_sq")}
             for p, s in ref.opt.state.items()}
 
 
 def first(root: Path) -> dict:
-    ref, states, losses = reference(N + M)
+    _, states, losses = reference(N + M)
     out = {}
     for chain, (s_a, s_b, _) in CHAINS.items():
         res: dict = {}
@@ -131,10 +134,7 @@ def first(root: Path) -> dict:
         engine.destroy()
         engine = engine_for(4, s_b, 1)
         engine.load_checkpoint(str(root / chain), tag="ep2")
-        last = N + M - 1
-        grads = {n: g for n, g in ref.grads.items()}  # the reference's last step's
-        probe = safe_get_probe(res, grads, adam_state_before(last), 4)
-        res["ep4"] = train(engine, 4, N, M, 1, states, losses, probe)
+        res["ep4"] = train(engine, 4, N, M, 1, states, losses)
         engine.save_checkpoint(str(root / chain), tag="ep4")
         engine.destroy()
         out[chain] = res
@@ -143,12 +143,12 @@ def first(root: Path) -> dict:
 
 def second(root: Path) -> dict:
     _, states, losses = reference(N + M + K)
+    gas = RANKS // dist.get_world_size()
     out = {}
     for chain, (_, _, s_c) in CHAINS.items():
-        engine = engine_for(1, s_c, RANKS // dist.get_world_size())
+        engine = engine_for(1, s_c, gas)
         engine.load_checkpoint(str(root / chain), tag="ep4")
-        res = {"ep1": train(engine, 1, N + M, K, RANKS // dist.get_world_size(), states,
-                            losses)}
+        res = {"ep1": train(engine, 1, N + M, K, gas, states, losses)}
         engine.save_checkpoint(str(root / chain), tag="ep1")
         engine.destroy()
         if dist.get_rank() == 0:
@@ -159,10 +159,13 @@ def second(root: Path) -> dict:
 
 def consolidated(root: Path, states: list[dict]) -> dict:
     """Per tag: whether the consolidated keys are the reference's, in its order, and the
-    largest value difference."""
+    largest value difference (tag ``ep4``: from the file ``zero_to_fp32`` writes)."""
     out = {}
     for tag, steps in (("ep2", N), ("ep4", N + M), ("ep1", N + M + K)):
         got = get_fp32_state_dict_from_zero_checkpoint(str(root), tag)
+        if tag == "ep4":
+            files = convert_zero_checkpoint_to_fp32_state_dict(root, root / "fp32", tag=tag)
+            got = torch.load(files[0], weights_only=True)
         want = states[steps - 1]
         out[tag] = {"keys": list(got) == list(want), "got_keys": list(got),
                     "diff": max(float((got[k] - want[k]).abs().max()) for k in want
