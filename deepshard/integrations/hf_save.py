@@ -99,8 +99,23 @@ def save_pretrained(engine: Any, save_directory: str | os.PathLike, *,
         _save_peft(module, staging, target, main, rank, safe_serialization, state_dict)
     else:
         _require_transformers_model(module)
+        if state_dict is None:
+            state_dict = _gathered_experts(module, rank, main)
         _save_model(module, staging, target, main, max_shard_size, exclude_frozen_parameters,
                     safe_serialization, state_dict)
+
+
+def _gathered_experts(module: Any, rank: int, main: int) -> dict[str, torch.Tensor] | None:
+    """For a model whose HF MoE blocks are sharded over expert-parallel ranks
+    (:func:`deepshard.moe.hf.shard_hf_moe`): the whole state dict under transformers'
+    names on the main rank (a collective), so the files load into a plain model; else
+    ``None``."""
+    from ..moe.hf import expert_parallel_layers, hf_state_dict
+
+    if not expert_parallel_layers(module):
+        return None
+    full = hf_state_dict(module)
+    return full if rank == main else None
 
 
 def _save_model(module: Any, staging: Path, target: Path, main: int,

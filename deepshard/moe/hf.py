@@ -274,27 +274,17 @@ def fused_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def save_pretrained(engine: Any, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-    """:func:`deepshard.integrations.hf_save.save_pretrained` for a model sharded by
-    :func:`shard_hf_moe`: the experts gathered first (:func:`hf_state_dict`), so the files
-    hold transformers' names and shapes and ``from_pretrained`` loads them into a plain
-    model. Collective; ``kwargs`` are ``hf_save.save_pretrained``'s (not ``state_dict``).
-    A model without such layers is saved as ``hf_save`` saves it."""
+    """:func:`deepshard.integrations.hf_save.save_pretrained`, which gathers the experts of
+    a model sharded by :func:`shard_hf_moe` (:func:`hf_state_dict`), so the files hold
+    transformers' names and shapes and ``from_pretrained`` loads them into a plain model.
+    Collective; ``kwargs`` are ``hf_save.save_pretrained``'s (not ``state_dict``)."""
     from ..integrations import hf_save
 
-    if "state_dict" in kwargs:
+    if "state_dict" in kwargs and expert_parallel_layers(getattr(engine, "module", engine)):
         raise UsageError("state_dict cannot be given for an expert-parallel model",
                          where="deepshard.moe.hf.save_pretrained",
                          hint="leave it out: the experts are gathered from every rank")
-    module = getattr(engine, "module", engine)
-    if not expert_parallel_layers(module):
-        hf_save.save_pretrained(engine, save_directory, **kwargs)
-        return
-    state = hf_state_dict(module)
-    main = kwargs.get("is_main_process")
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    mine = bool(main) if main is not None else rank == 0
-    hf_save.save_pretrained(engine, save_directory, state_dict=state if mine else None,
-                            **kwargs)
+    hf_save.save_pretrained(engine, save_directory, **kwargs)
 
 
 def apply_expert_parallel(model: nn.Module, section: Mapping[str, Any], dp_group: Any = None
