@@ -40,7 +40,7 @@ class Job:
         for line in stream:
             into.append(line)
 
-    def wait_for(self, text: str, timeout: float = 120) -> None:
+    def wait_for(self, text: str, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while not any(text in line for line in self.out + self.err):
             assert self.proc.poll() is None or any(text in x for x in self.out + self.err), \
@@ -48,7 +48,7 @@ class Job:
             assert time.monotonic() < deadline, f"no {text!r} in time: {self.dump()}"
             time.sleep(0.05)
 
-    def finish(self, timeout: float = 180) -> int:
+    def finish(self, timeout: float = 300) -> int:
         try:
             code = self.proc.wait(timeout=timeout)
         finally:
