@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,8 @@ VOCAB, WIDTH, HEADS, BLOCKS, SEQ = 512, 256, 4, 4, 128
 EXPERTS, TOP_K, HIDDEN = 8, 2, 1024
 MICRO_BATCH = 4
 AUX = 0.01
+CAPACITY_FACTOR, MIN_CAPACITY = 1.0, 4
+"""Both MoE layers' defaults (named for the driver's theory of the exchanged bytes)."""
 
 
 def mlp() -> nn.Module:
@@ -109,6 +112,10 @@ def build(impl: str, ep_size: int, drop_tokens: bool):
         import deepspeed
         from deepspeed.moe.layer import MoE
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        # its CPU shared-memory op serves inference_all_reduce only, never training's
+        # collectives; JIT-building it takes minutes under a lock shared by every job
+        # (deepspeed.comm.torch is torch itself there: comm/__init__ re-exports it)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")
         initialize = deepspeed.initialize
     else:
@@ -123,10 +130,17 @@ def build(impl: str, ep_size: int, drop_tokens: bool):
     if impl == "deepshard":
         configure(model)  # idempotent: the engine finds the groups when it configures them
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "lr": 3e-4})
+        {"params": list(model.parameters()), "lr": 3e-4, "name": "all"})
     optimizer = torch.optim.AdamW(groups, lr=3e-4)
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
     return engine, [b.ffn for b in model.blocks if b.moe]
+
+
+def sent_rows(layers: list) -> int | None:
+    """Token rows this rank's forward sent to other ranks (deepshard's layer counts them;
+    DeepSpeed's always sends its whole padded ``[E, C, M]`` buffer): None for DeepSpeed."""
+    counts = [getattr(layer.deepspeed_moe, "sent_rows", None) for layer in layers]
+    return None if None in counts else sum(counts)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,13 +173,15 @@ def main() -> None:
         engine.step()
         dist.barrier()
         steps.append({"s": time.perf_counter() - start, "loss": loss.item(),
-                      "routed": sum(int(layer.deepspeed_moe.exp_counts.sum()) for layer in layers)})
+                      "routed": sum(int(layer.deepspeed_moe.exp_counts.sum()) for layer in layers),
+                      "sent_rows": sent_rows(layers)})
     result = {"rank": rank, "impl": args.impl, "ep": args.ep, "steps": steps,
               "timed_from": args.warmup, "a2a_bytes": counter.bytes, "a2a_calls": counter.calls,
               "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
               "tokens_per_step": MICRO_BATCH * SEQ * dist.get_world_size(),
               "tokens_per_rank": MICRO_BATCH * SEQ, "width": WIDTH, "experts": EXPERTS,
-              "k": TOP_K, "moe_layers": len(layers), "torch": torch.__version__,
+              "k": TOP_K, "moe_layers": len(layers), "hidden": HIDDEN, "seq": SEQ,
+              "micro_batch": MICRO_BATCH, "torch": torch.__version__,
               "threads": torch.get_num_threads()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

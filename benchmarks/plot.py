@@ -8,9 +8,10 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
     bubble.png   the pipeline bubble measured beside the theory and the 1F1B simulator, by m
     launch.png   launch overhead of ds-run beside torchrun, DeepSpeed and plain python
     elastic.png  seconds from a node's death / return to steps again, ds-run beside torchrun
+    moe.png      MoE GPT tokens/s, peak RSS and all-to-all bytes by ep, beside DeepSpeed
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
-                              [--only zero,fanout,bubble,launch,elastic]
+                              [--only zero,fanout,bubble,launch,elastic,moe]
 
 A missing or malformed record is one line naming the file, and exit status 2. Every
 number drawn comes from a record; the footer gives the run's date, commit and load.
@@ -32,7 +33,7 @@ OUT = HERE.parent / "docs" / "plots"
 WIDTH_IN, DPI = 8.0, 100
 """Figures are 800 px wide: the README's width."""
 PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
-         "elastic": "elastic"}
+         "elastic": "elastic", "moe": "moe"}
 """Plot name -> the benchmark record it draws."""
 COLORS = {"deepshard": "#1f77b4", "DeepSpeed": "#d62728", "torch, AdamW for-loop": "#7f7f7f",
           "torch, AdamW(fused=True)": "#bcbd22"}
@@ -339,8 +340,82 @@ def plot_elastic(data: dict):
     return fig
 
 
+# ---------------------------------------------------------------- moe.png
+
+MOE_PANELS = (("tokens_per_s", "tokens / s (4 ranks)", "Throughput (label: deepshard / DeepSpeed)"),
+              ("rss", "peak RSS per rank (MiB)", "Peak resident memory (bar: the higher rank)"),
+              ("a2a", "all-to-all MiB / step / rank", "Bytes exchanged (tick: theory)"))
+"""(value, y label, title) of each panel of moe.png."""
+
+
+def _moe_value(row: dict, key: str) -> float:
+    if key == "rss":
+        return max(row["peak_rss_mib"])
+    if key == "a2a":
+        return row["a2a_bytes_per_step"] / 2**20
+    return row[key]
+
+
+def _moe_marks(row: dict, key: str) -> list[float]:
+    if key == "rss":
+        return row["peak_rss_mib"]
+    if key == "a2a" and row.get("theory_bytes_per_step"):
+        return [row["theory_bytes_per_step"] / 2**20]
+    return []
+
+
+def plot_moe(data: dict):
+    """Three panels by ep, deepshard beside DeepSpeed: tokens/s (with the ratio), peak RSS
+    (dots: each rank), and the measured all-to-all bytes (tick: the theory)."""
+    rows = [r for r in data["rows"] if r["status"] == "ok"]
+    eps = sorted({r["ep"] for r in rows})
+    if not eps:
+        raise PlotError("no row that ran")
+    groups = [(f"ep {ep}", sorted((r for r in rows if r["ep"] == ep),
+                                  key=lambda r: list(COLORS).index(r["impl"])))
+              for ep in eps]
+    fig, axes = _figure(7.4, 3)
+    for ax, (key, ylabel, title) in zip(axes, MOE_PANELS, strict=True):
+        _moe_bars(ax, groups, key)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=9)
+    for g, (_, members) in enumerate(groups):
+        for i, r in enumerate(members):
+            if r.get("vs_deepspeed"):
+                x = g + (i - (len(members) - 1) / 2) * 0.38
+                axes[0].annotate(f"{r['vs_deepspeed']:.2f}x", (x, r["tokens_per_s"]),
+                                 textcoords="offset points", xytext=(0, 4), ha="center",
+                                 fontsize=8, color=COLORS["deepshard"])
+    s = data["settings"]
+    fig.suptitle(f"MoE GPT, {s['world']} CPU ranks x {s['threads_per_rank']} thread, ZeRO "
+                 f"{s['zero_stage']}, median of {s['steps']} steps", fontsize=10, y=0.995)
+    _layout(fig, top=0.93)
+    _figure_legend(fig, axes, 0.945)
+    return fig
+
+
+def _moe_bars(ax, groups, key: str) -> None:
+    """Bars of the panel's value per ep group, coloured by implementation; black markers
+    at its marks (each rank's peak, the theory)."""
+    width = 0.38
+    marker = "_" if key == "a2a" else "."
+    for g, (_, members) in enumerate(groups):
+        for i, row in enumerate(members):
+            x = g + (i - (len(members) - 1) / 2) * width
+            ax.bar(x, _moe_value(row, key), width * 0.95, color=COLORS[row["impl"]],
+                   label=row["impl"])
+            values = _moe_marks(row, key)
+            if values:
+                ax.plot([x] * len(values), values, marker, color="black",
+                        markersize=3 if marker == "." else 14,
+                        label="each rank" if marker == "." else "theory")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+
+
 DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
-        "elastic": plot_elastic}
+        "elastic": plot_elastic, "moe": plot_moe}
 
 
 # ---------------------------------------------------------------- command line
