@@ -83,7 +83,7 @@ class _ExitHook:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, _exit_usage)
         atexit._run_exitfuncs()
-        _flush()
+        flush_stdio()
         os._exit(EXIT_USAGE)
 
 
@@ -99,17 +99,18 @@ class _ThreadExitHook:
             self.previous(args)
             return
         print(render(args.exc_value), file=sys.stderr, flush=True)
-        _flush()
+        flush_stdio()
         os._exit(EXIT_USAGE)
 
 
 def _exit_usage(signum: int, frame: object) -> None:
     del signum, frame
-    _flush()
+    flush_stdio()
     os._exit(EXIT_USAGE)
 
 
-def _flush() -> None:
+def flush_stdio() -> None:
+    """Flush stdout and stderr, whatever state they are in (before ``os._exit``)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

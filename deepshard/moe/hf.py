@@ -19,13 +19,12 @@ The local experts are one module each (``...experts.experts.{j}.gate_up_proj``: 
 marked as expert parameters (:mod:`.utils`), so the engine reduces their gradients over
 their expert-data-parallel group and its checkpoints name them by global expert id
 (``runtime/build/moe.py``). :func:`hf_state_dict` gathers them back into transformers'
-names and shapes and :func:`save_pretrained` writes the HF format with them
-(``from_pretrained`` loads it into a plain model).
+names and shapes; ``engine.save_pretrained`` (``integrations/hf_save.py``) writes the HF
+format with them (``from_pretrained`` loads it into a plain model).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -271,20 +270,6 @@ def fused_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
                                   "(deepshard.get_fp32_state_dict) first")
         out[fused] = torch.stack([experts[g] for g in range(len(experts))])
     return {k: v for k, v in out.items() if v is not None}
-
-
-def save_pretrained(engine: Any, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-    """:func:`deepshard.integrations.hf_save.save_pretrained`, which gathers the experts of
-    a model sharded by :func:`shard_hf_moe` (:func:`hf_state_dict`), so the files hold
-    transformers' names and shapes and ``from_pretrained`` loads them into a plain model.
-    Collective; ``kwargs`` are ``hf_save.save_pretrained``'s (not ``state_dict``)."""
-    from ..integrations import hf_save
-
-    if "state_dict" in kwargs and expert_parallel_layers(getattr(engine, "module", engine)):
-        raise UsageError("state_dict cannot be given for an expert-parallel model",
-                         where="deepshard.moe.hf.save_pretrained",
-                         hint="leave it out: the experts are gathered from every rank")
-    hf_save.save_pretrained(engine, save_directory, **kwargs)
 
 
 def apply_expert_parallel(model: nn.Module, section: Mapping[str, Any], dp_group: Any = None

@@ -229,7 +229,27 @@ def _exit_cleanly_on_sigterm() -> None:
 
 
 def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    import contextlib
+    import threading
+
+    code = 128 + signum
+    with contextlib.suppress(RuntimeError):  # the interpreter is already shutting down
+        threading._register_atexit(_exit_after_handlers, code)  # type: ignore[attr-defined]
+    raise SystemExit(code)
+
+
+def _exit_after_handlers(code: int) -> None:
+    """Once SIGTERM's ``SystemExit`` has unwound the stack (``finally`` blocks ran): the
+    exit handlers and finalizers (NVMe swap files, process groups), then the exit itself,
+    without the interpreter's final garbage collection — seconds for a worker holding a
+    model (5-7 s measured), past the launcher's stop grace, so it was SIGKILLed."""
+    import atexit
+
+    from ..errors import flush_stdio
+
+    atexit._run_exitfuncs()
+    flush_stdio()
+    os._exit(code)
 
 
 def _logging_setup() -> None:

@@ -15,6 +15,7 @@ from tests.helpers import ROOT
 pytest.importorskip("matplotlib")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import elastic
 import fanout
 import launch
 import parallel
@@ -24,7 +25,7 @@ import zero
 from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340}
+HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
@@ -75,12 +76,23 @@ def launch_record() -> dict:
     return record.Run("launch", {"rounds": 2}).to_dict(rows, launch.table(rows))
 
 
+def elastic_record() -> dict:
+    rows = [{"hosts": n, "launcher": name, "status": "ok", "shrink_s": 9.0 + n + i,
+             "grow_s": 7.0 + n + 2 * i, "relaunch_shrink_s": 2.0 + i, "relaunch_grow_s": 1.0,
+             "load_shrink_s": 0.15, "load_grow_s": 0.16, "steps_redone_shrink": 0,
+             "steps_redone_grow": 0} for n in (3, 8) for i, name in enumerate(elastic.JOBS)]
+    rows.append({"hosts": 8, "launcher": "torchrun", "status": "failed: no step"})
+    return record.Run("elastic", {"monitor_timeout": 10.0}).to_dict(rows,
+                                                                   elastic.table(rows, 10.0))
+
+
 @pytest.fixture
 def results(tmp_path):
     """A results folder with one record per benchmark, as the scripts write them."""
     folder = tmp_path / "results"
     folder.mkdir()
-    for data in (zero_record(), parallel_record(), fanout_record(), launch_record()):
+    for data in (zero_record(), parallel_record(), fanout_record(), launch_record(),
+                 elastic_record()):
         (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
     return folder
 
