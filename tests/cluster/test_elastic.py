@@ -1,11 +1,12 @@
 """ds-run --elastic_training on real sshd hosts: a host dies (every process, its sshd too),
-the job goes on with the others and grows back when the host returns; the result is one
-uninterrupted process's on the same global batches."""
+the job goes on with the others and grows back when the host returns (under the ssh and the
+pdsh launcher); the result is one uninterrupted process's on the same global batches."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.elastic_train import reference
-from tests.helpers import ROOT, ds_run_argv
+from tests.helpers import ROOT, ds_run_argv, require
 
 TRAIN = str(ROOT / "tests" / "cluster" / "elastic_train.py")
 FAST = ("--elastic_training", "--elastic_probe_interval", "0.5", "--monitor_timeout", "3",
@@ -95,11 +96,24 @@ def no_job_process(marker: str) -> list[int]:
     return found
 
 
+def launcher_env(launcher: str, cluster, cluster_env: dict[str, str]) -> dict[str, str]:
+    """ds-run's environment for ``launcher``: pdsh runs OpenSSH, which reads the account's
+    ~/.ssh rather than $HOME, so it is pointed at the test's files."""
+    if launcher != "pdsh":
+        return cluster_env
+    require([] if shutil.which("pdsh") else ["pdsh"], "the pdsh tests", "pdsh")
+    home = cluster.home
+    return {**cluster_env, "PDSH_SSH_ARGS_APPEND": f"-F {home}/.ssh/config -o "
+            f"UserKnownHostsFile={home}/.ssh/known_hosts"}
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
 def test_lost_host_shrinks_then_grows_back_with_exact_parameters(cluster, cluster_env,
-                                                                 tmp_path):
+                                                                 tmp_path, launcher):
     steps = 10
-    job = Job(ds_run_argv("-H", str(cluster.hostfile(slots=1)), *FAST, TRAIN, str(tmp_path),
-                          "--steps", str(steps), "--delay", "0.4"), cluster_env)
+    job = Job(ds_run_argv("-H", str(cluster.hostfile(slots=1)), *FAST, "--launcher", launcher,
+                          TRAIN, str(tmp_path), "--steps", str(steps), "--delay", "0.4"),
+              launcher_env(launcher, cluster, cluster_env))
     try:
         job.wait_for("STEP 3 world 3")
         victim = cluster.hosts[1]
