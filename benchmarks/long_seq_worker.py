@@ -392,11 +392,12 @@ def main() -> int:
     torch.set_num_threads(1)
     if a.lib == "deepspeed":
         import deepspeed
-        import deepspeed.comm.torch as ds_comm
+        import deepspeed.comm.torch
 
         # its shared-memory kernel serves only inference_all_reduce, and its JIT build takes
-        # minutes on a loaded machine (with a lock that stalls the other ranks)
-        ds_comm.build_shm_op = lambda: None
+        # minutes on a loaded machine (with a lock that stalls the other ranks); the
+        # module, not the attribute (deepspeed.comm.torch reads as torch itself)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         import deepshard
