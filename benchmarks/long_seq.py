@@ -186,7 +186,7 @@ def _fmt(value: float | None, spec: str = ".2f", none: str = "-") -> str:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """The table's numbers per row: ratios to no SP and to untiled, step time, tokens/s."""
-    base = {r["tiled"]: r["max_length"] for r in rows if r["sp"] == 1}
+    base = {r["tiled"]: r["max_length"] for r in rows if r["sp"] == 1 and not r["capped"]}
     untiled = {r["sp"]: r["max_length"] for r in rows if not r["tiled"]}
     out = []
     for r in rows:

@@ -9,9 +9,11 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
     launch.png   launch overhead of ds-run beside torchrun, DeepSpeed and plain python
     elastic.png  seconds from a node's death / return to steps again, ds-run beside torchrun
     moe.png      MoE GPT tokens/s, peak RSS and all-to-all bytes by ep, beside DeepSpeed
+    long_seq.png longest sequence under a per-rank RSS budget by SP size, tiled and not,
+                 and tokens/s beside DeepSpeed's Ulysses at those lengths
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
-                              [--only zero,fanout,bubble,launch,elastic,moe]
+                              [--only zero,fanout,bubble,launch,elastic,moe,long_seq]
 
 A missing or malformed record is one line naming the file, and exit status 2. Every
 number drawn comes from a record; the footer gives the run's date, commit and load.
@@ -33,7 +35,7 @@ OUT = HERE.parent / "docs" / "plots"
 WIDTH_IN, DPI = 8.0, 100
 """Figures are 800 px wide: the README's width."""
 PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
-         "elastic": "elastic", "moe": "moe"}
+         "elastic": "elastic", "moe": "moe", "long_seq": "long_seq"}
 """Plot name -> the benchmark record it draws."""
 COLORS = {"deepshard": "#1f77b4", "DeepSpeed": "#d62728", "torch, AdamW for-loop": "#7f7f7f",
           "torch, AdamW(fused=True)": "#bcbd22"}
@@ -414,8 +416,65 @@ def _moe_bars(ax, groups, key: str) -> None:
     ax.set_axisbelow(True)
 
 
+# ---------------------------------------------------------------- long_seq.png
+
+def _long_seq_lengths(ax, rows: list[dict], budget: float) -> None:
+    sizes = sorted({r["sp"] for r in rows})
+    width = 0.38
+    for i, tiled in enumerate((False, True)):
+        for r in (r for r in rows if r["tiled"] == tiled):
+            x = sizes.index(r["sp"]) + (i - 0.5) * width
+            ax.bar(x, r["max_length"], width * 0.95, color=f"C{i}",
+                   hatch="//" if r["capped"] else None,
+                   label="tiled MLP + logits" if tiled else "untiled")
+            ax.text(x, r["max_length"], (">=" if r["capped"] else "") + str(r["max_length"]),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log", base=2)
+    ax.set_ylim(top=max(r["max_length"] for r in rows) * 2)
+    ax.set_xticks(range(len(sizes)), [f"SP {s}" if s > 1 else "no SP" for s in sizes])
+    ax.set_ylabel("max sequence length (tokens)")
+    ax.set_title(f"Longest sequence under {budget:.0f} MiB RSS per rank "
+                 "(hatched: the search stopped at its cap, a lower bound)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="upper left")
+
+
+def plot_long_seq(data: dict):
+    """Two panels: the longest length under the budget per SP size, untiled and tiled;
+    tokens/s of deepshard beside DeepSpeed 0.19.8 at those lengths."""
+    rows = [r for r in data["rows"] if r["max_length"]]
+    if not rows:
+        raise PlotError("no row with a length")
+    fig, (top, bottom) = _figure(6.4, 2)
+    _long_seq_lengths(top, rows, data["settings"]["budget_mib"])
+    width = 0.38
+    timed = [r for r in rows if r["deepshard_tok_s"]]
+    for j, r in enumerate(timed):
+        bottom.bar(j - width / 2, r["deepshard_tok_s"], width * 0.95,
+                   color=COLORS["deepshard"], label="deepshard")
+        if r["deepspeed_tok_s"]:
+            bottom.bar(j + width / 2, r["deepspeed_tok_s"], width * 0.95,
+                       color=COLORS["DeepSpeed"], label="DeepSpeed 0.19.8")
+    bottom.set_xticks(range(len(timed)), [
+        f"SP {r['sp']} {'tiled' if r['tiled'] else 'untiled'}\n{r['max_length']} tokens"
+        for r in timed], fontsize=8)
+    bottom.set_ylabel("tokens / s (rank 0)")
+    bottom.set_title(f"Training throughput at those lengths (mean of "
+                     f"{data['settings']['steps']} steps)", fontsize=9)
+    bottom.grid(axis="y", alpha=0.3)
+    handles, names = bottom.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    bottom.legend(unique.values(), unique.keys(), fontsize=8)
+    fig.suptitle("Long sequences: Llama hidden 64, 2 layers, vocab 32000, fp32; CPU ranks "
+                 "x 1 thread", fontsize=10)
+    _layout(fig, top=0.96)
+    return fig
+
+
 DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
-        "elastic": plot_elastic, "moe": plot_moe}
+        "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq}
 
 
 # ---------------------------------------------------------------- command line
