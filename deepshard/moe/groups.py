@@ -103,10 +103,12 @@ def configure(module: torch.nn.Module, dp_group: Any = None, *,
     """Give every MoE layer in ``module`` its :class:`ExpertGroups`, creating the
     process groups once per distinct ``ep_size``; returns them by group name.
 
-    A collective: every rank calls it with the same module structure (it gathers every
-    rank's data-parallel group so that all ranks create all groups in one order, torch's
-    rule). Layers that already hold groups keep them, and when every layer does, nothing
-    is created or communicated (idempotent). ``dp_group`` defaults to the whole world.
+    A collective over the ranks of ``dp_group`` only (they call it with the same module
+    structure): each rank creates just the groups it belongs to, with torch's
+    ``use_local_synchronization``, so ranks outside the data-parallel group (another
+    pipeline stage, which may hold no MoE layer) never take part. Layers that already
+    hold groups keep them, and when every layer does, nothing is created or communicated
+    (idempotent). ``dp_group`` defaults to the whole world.
     Groups are never destroyed (``runtime/teardown.py``).
     """
     layers = list(moe_layers(module))
@@ -139,29 +141,27 @@ def _create(ep_sizes: list[int], dp_group: Any, data_before_expert: bool
     rank = dist.get_rank()
     mine = tuple(sorted(dist.get_process_group_ranks(dp_group))) if dp_group is not None \
         else tuple(range(dist.get_world_size()))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    dp_groups = sorted(set(map(tuple, everyone)))
     made = {}
     for ep_size in ep_sizes:
         check_sizes(ep_size, ep_size, len(mine))
-        made[group_name(ep_size)] = _create_one(ep_size, dp_groups, mine, rank, data_before_expert)
+        made[group_name(ep_size)] = _create_one(ep_size, mine, rank, data_before_expert)
     return made
 
 
-def _create_one(ep_size: int, dp_groups: list[tuple[int, ...]], mine: tuple[int, ...],
-                rank: int, data_before_expert: bool) -> ExpertGroups:
+def _create_one(ep_size: int, mine: tuple[int, ...], rank: int, data_before_expert: bool
+                ) -> ExpertGroups:
+    """This rank's groups of ``ep_size``, created by their members only (every member
+    creates its edp group, then its ep group: one order, as torch's local
+    synchronization needs)."""
     import torch.distributed as dist
 
     handles: dict[str, tuple[Any, tuple[int, ...]]] = {}
-    for kind in ("edp", "ep"):  # DeepSpeed creates the expert-data-parallel groups first
-        for dp_ranks in dp_groups:
-            ep, edp = layout(dp_ranks, ep_size, data_before_expert)
-            for ranks in (edp if kind == "edp" else ep):
-                group = dist.new_group(list(ranks))
-                keep(group)  # never destructed: see runtime/teardown.py
-                if rank in ranks:
-                    handles[kind] = (group, ranks)
+    ep, edp = layout(mine, ep_size, data_before_expert)
+    for kind, sets in (("edp", edp), ("ep", ep)):  # DeepSpeed creates edp groups first
+        ranks = next(r for r in sets if rank in r)
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        keep(group)  # never destructed: see runtime/teardown.py
+        handles[kind] = (group, ranks)
     (ep_group, ep_ranks), (edp_group, edp_ranks) = handles["ep"], handles["edp"]
     return ExpertGroups(group_name(ep_size), ep_size, ep_group, edp_group,
                         ep_ranks.index(rank), edp_ranks.index(rank), ep_ranks, edp_ranks,
@@ -176,3 +176,15 @@ def global_expert_ids(layer: Any) -> list[int]:
     ep_rank = moe.expert_groups.ep_rank if moe.expert_groups is not None else 0
     local = moe.num_local_experts
     return [ep_rank * local + j for j in range(local)]
+
+
+def refuse_tensor_parallel(module: torch.nn.Module, tp_size: int) -> None:
+    """One-line :class:`UsageError` when ``module`` holds MoE layers and the job asks for
+    AutoTP (``tp_size > 1``): AutoTP would split the experts' Linears into new parameters
+    without their expert marks, and the layers would get no expert-parallel groups. To be
+    called before the layout is applied."""
+    if tp_size > 1 and next(moe_layers(module), None) is not None:
+        raise UsageError(f"MoE layers with tensor_parallel.autotp_size={tp_size} are not "
+                         "supported", where="tensor_parallel.autotp_size",
+                         hint="use autotp_size 1 with MoE models (expert parallelism runs "
+                              "over the data-parallel ranks; pipeline stages work)")
