@@ -6,7 +6,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint bench bench-fanout bench-train bench-zero \
-	bench-parallel bench-hf bench-onebit plots clean
+	bench-parallel bench-hf bench-onebit bench-moe bench-long-seq bench-elastic plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -67,6 +67,18 @@ bench-hf: install-test
 # two namespace hosts with tc-capped links (root, iproute2, openssh-server)
 bench-onebit: install
 	$(PY) benchmarks/onebit.py
+
+# 4 gloo CPU ranks, ep 2 and 4; DeepSpeed 0.19.8 from its side venv (/tmp/dsvenv)
+bench-moe: install
+	$(PY) benchmarks/moe.py
+
+# the longest trainable sequence under a per-rank RSS budget, SP and ALST tiling vs not
+bench-long-seq: install-test
+	$(PY) benchmarks/long_seq.py
+
+# namespace hosts with their own sshd (root, iproute2, openssh-server), ds-run vs torchrun
+bench-elastic: install
+	$(PY) benchmarks/elastic.py
 
 # the README's PNGs (docs/plots/) from the benchmarks' JSON records (benchmarks/results/)
 plots: $(VENV)/.installed-plot

@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import elastic
 import fanout
 import launch
+import long_seq
+import moe
 import parallel
 import plot
 import record
@@ -25,7 +27,8 @@ import zero
 from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440}
+HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440,
+           "moe": 740, "long_seq": 640}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
@@ -86,13 +89,42 @@ def elastic_record() -> dict:
                                                                    elastic.table(rows, 10.0))
 
 
+def _moe_ranks(s: float, sent: int | None) -> list[dict]:
+    steps = [{"s": s * 1.5, "loss": 6.38, "routed": 2048, "sent_rows": sent}] + [
+        {"s": s, "loss": 6.40, "routed": 2048, "sent_rows": sent}] * 2
+    return [{"steps": steps, "timed_from": 1, "a2a_bytes": 8_000_000, "a2a_calls": 20,
+             "peak_rss_kib": (500 + 10 * r) * 1024, "tokens_per_step": 2048, "moe_layers": 2,
+             "threads": 1} for r in range(4)]
+
+
+def moe_record() -> dict:
+    rows = [{"impl": impl, "ep": ep, **moe.summarize(_moe_ranks(s, sent))}
+            for ep in (2, 4)
+            for impl, s, sent in (("deepshard", 1.5, 900), ("DeepSpeed", 2.0, None))]
+    moe.add_ratios(rows)
+    return record.Run("moe", {"world": 4, "threads_per_rank": 1, "zero_stage": 2,
+                              "steps": 2}).to_dict(rows, moe.table(rows))
+
+
+def long_seq_record() -> dict:
+    raw = [{"sp": sp, "tiled": tiled, "status": "ok",
+            "max_length": 192 * sp * (4 if tiled else 1), "capped": tiled,
+            "peak_rss_mib": 510.0, "probes": [[64, 457.0, True]],
+            "deepshard": {"step_s": [1.0, 1.1], "group_peak_rss_mib": 500.0} if sp > 1 else None,
+            "deepspeed": {"step_s": [1.2, 1.3], "group_peak_rss_mib": 520.0} if sp > 1 else None}
+           for sp in (1, 2, 4) for tiled in (False, True)]
+    rows = long_seq.summarize(raw)
+    return record.Run("long_seq", {"budget_mib": 528.0, "steps": 2}).to_dict(
+        rows, long_seq.table(rows, 528.0))
+
+
 @pytest.fixture
 def results(tmp_path):
     """A results folder with one record per benchmark, as the scripts write them."""
     folder = tmp_path / "results"
     folder.mkdir()
     for data in (zero_record(), parallel_record(), fanout_record(), launch_record(),
-                 elastic_record()):
+                 elastic_record(), moe_record(), long_seq_record()):
         (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
     return folder
 
