@@ -1,14 +1,16 @@
 """MoE inside tensor or pipeline parallelism on 4 gloo ranks, against one process holding
 every expert (:mod:`moe_common`): ``tp`` (AutoTP 2 x data 2, ep 2 over the data axis) and
-``pp`` (2 stages x data 2, the MoE layer on stage 1; the pipeline carries no aux loss, so
-the reference zeroes it). Reports ``RESULT <json>``: per step the largest weight difference
-on this rank, or the one-line error ``initialize`` raised.
+``pp`` (2 stages x data 2, the MoE layer on stage 1, ZeRO stages 0-1; the pipeline
+carries no aux loss, so the reference leaves it out). Reports ``RESULT <json>``: per
+step the largest weight difference on this rank (per ZeRO stage for ``pp``), or the
+one-line error ``initialize`` raised.
 
 Usage: ``moe_parallel.py tp|pp``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -60,21 +62,29 @@ def run_tp(world: int) -> dict:
 
 
 def run_pp(world: int) -> dict:
+    """One pipeline run per ZeRO stage the pipeline takes (0, 1; 2 is refused)."""
+    runs = {f"s{stage}": _run_pp(world, dataclasses.replace(CASE, stage=stage))
+            for stage in (0, 1)}
+    errors = [r["error"] for r in runs.values() if "error" in r]
+    return {"error": errors[0]} if errors else {"stages": runs}
+
+
+def _run_pp(world: int, case: mc.Case) -> dict:
     from deepshard.runtime.parallel.pipe_module import PipelineModule
     from deepshard.runtime.parallel.topology import Topology
 
-    state = mc.reference_state(CASE)
-    ref = mc.Reference(CASE, state)
+    state = mc.reference_state(case)
+    ref = mc.Reference(case, state)
     ref.net.forward = lambda x: ref.net.out(  # type: ignore[method-assign]
         ref.net.moe(torch.relu(ref.net.inp(x)))[0]).pow(2).mean()
     data = dist.get_rank() % 2  # rank = pipe * D + data
-    net = mc.Net(EP, CASE.k, CASE.drop)
+    net = mc.Net(EP, case.k, case.drop)
     net.load_state_dict(mc.to_local(state, EP, data))
     layers = [net.inp, torch.nn.ReLU(), MoEOnly(net.moe), net.out]
     model = PipelineModule(layers, topology=Topology.from_config(world, 2),
                            partition_method="uniform", loss_fn=square_mean)
     try:
-        engine, *_ = deepshard.initialize(model=model, config=mc.config(CASE, world // 2))
+        engine, *_ = deepshard.initialize(model=model, config=mc.config(case, world // 2))
     except UsageError as err:
         return {"error": str(err)}
     diffs = []
@@ -83,6 +93,7 @@ def run_pp(world: int) -> dict:
         engine.train_batch(iter([(xs[data], torch.zeros(1))]))
         ref.step(xs)
         diffs.append(_diff(_reference_names(engine.module), ref.state(), data))
+    engine.destroy()
     return {"diffs": diffs, "compared": sorted(_reference_names(engine.module))}
 
 
