@@ -59,7 +59,7 @@ def scatter_heads(x: Tensor, counts: Sequence[int], rank: int, group: Any,
     """``[b, s/P, H, d]`` (this rank's sequence, all heads) to ``[b, s, counts[rank], d]``
     (the whole sequence, this rank's heads). Rank ``r`` gets the next ``counts[r]`` heads
     of ``x`` (or of ``x.index_select(2, index)`` when ``index`` is given)."""
-    if index is not None:
+    if index is not None and list(index) != list(range(x.shape[2])):
         x = x.index_select(2, torch.tensor(index, device=x.device))
     b, s, _, d = x.shape
     per_head = s * b * d

@@ -95,7 +95,9 @@ def _aliases(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _add(total: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
     for i, g in enumerate(grads):
         if g is not None:
-            total[i] = g if total[i] is None else total[i] + g  # type: ignore[operator]
+            # one copy (a tile's gradient may be a view), then summed in place: a new
+            # weight-sized tensor per tile was most of the tiled loss's transient memory
+            total[i] = g.clone() if total[i] is None else total[i].add_(g)
 
 
 def _bounds(rows: int, shards: int) -> list[tuple[int, int]]:
