@@ -52,9 +52,6 @@ def test_autotp_with_moe_layers_is_refused_in_one_line():
     assert "tensor_parallel.autotp_size" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="the runtime's layout does not call "
-                   "deepshard.moe.groups.refuse_tensor_parallel yet: AutoTP splits the "
-                   "experts and the first forward fails with 'no expert-parallel group'")
 def test_initialize_refuses_autotp_with_moe():
     result = run_ds("--num_gpus", "4", SCRIPT, "tp", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
