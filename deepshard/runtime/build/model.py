@@ -46,12 +46,14 @@ def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, ran
 
         # built under zero.Init: whole again below stage 3, and for AutoTP to cut it
         materialize(module)
+    experts = _expert_parallel(module, cfg, group)
     before = list(module.named_parameters(remove_duplicate=False))
     excluded: frozenset[int] = frozenset()
     if layout is not None:
         excluded = layout.prepare(module, broadcast_from_rank0, rank)
     after = dict(module.named_parameters(remove_duplicate=False))
-    replaced = {id(p): after[n] for n, p in before if n in after and after[n] is not p}
+    replaced: dict = {id(p): after[n] for n, p in before if n in after and after[n] is not p}
+    replaced.update(experts)
     if cfg.sequence_parallel.any_enabled():
         import logging
 
@@ -62,6 +64,16 @@ def prepare_model(model: torch.nn.Module, cfg, layout, group, dp_world: int, ran
                 logging.getLogger("deepshard").info("sequence_parallel: %s", line)
     broadcast_from_rank0(module, group, dp_world, _broadcast_experts(module, group, dp_world))
     return Prepared(module, excluded, replaced)
+
+
+def _expert_parallel(module: torch.nn.Module, cfg, group) -> dict:
+    """The ``expert_parallel`` (AutoEP) section applied: by the ``id`` of each fused HF
+    expert parameter, the per-expert parameters now standing for it on this rank."""
+    if not cfg.expert_parallel:
+        return {}
+    from ...moe.hf import apply_expert_parallel
+
+    return apply_expert_parallel(module, cfg.expert_parallel, group)
 
 
 def place(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:

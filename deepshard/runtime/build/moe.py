@@ -39,7 +39,7 @@ def build_moe(cfg, module: torch.nn.Module, client, source: list[dict], names: l
     expert_groups = configure(module, group)
     if not isinstance(client, torch.optim.Optimizer):
         source = split_params_into_different_moe_groups_for_optimizer(
-            [{**g, "params": _listed(g["params"])} for g in source])
+            [{**g, "params": _listed(g["params"], replaced)} for g in source])
     members = group_members(cfg, client, source, params, names, replaced)
     kinds = [_kind(source[o], [params[i] for i in m]) for o, m in enumerate(members)]
     built: dict[str, tuple[Part, list[list[torch.Tensor]]]] = {}
@@ -75,8 +75,14 @@ def _check_config(cfg) -> None:
                          hint='use "cpu" or "none" with MoE models')
 
 
-def _listed(params) -> list:
-    return [params] if torch.is_tensor(params) else list(params)
+def _listed(params, replaced: dict) -> list:
+    """A group's parameters, each the module replaced (AutoEP: a fused HF expert
+    parameter by this rank's per-expert ones) given as its replacements."""
+    out = []
+    for p in [params] if torch.is_tensor(params) else params:
+        new = replaced.get(id(p), p)
+        out.extend(new if isinstance(new, list) else [new])
+    return out
 
 
 def _name_of(p: torch.nn.Parameter) -> str:

@@ -58,25 +58,25 @@ def source_groups(client, model_parameters, params: Sequence[torch.nn.Parameter]
 def group_members(cfg, client, source: Sequence[dict], params: Sequence[torch.nn.Parameter],
                   names: Sequence[str], replaced: dict | None = None) -> list[list[int]]:
     """For each source group, the indices into ``params`` (trainable) it holds, a
-    parameter the module replaced (AutoTP) counted as its replacement; other tensors are
-    left out. A parameter in two groups, or an optimizer with nothing to train, is a
-    usage error."""
-    index = {id(p): i for i, p in enumerate(params)}
+    parameter the module replaced (AutoTP; AutoEP: a list, one per local expert) counted
+    as its replacements; other tensors are left out. A parameter in two groups, or an
+    optimizer with nothing to train, is a usage error."""
+    index = {id(p): [i] for i, p in enumerate(params)}
     for old, new in (replaced or {}).items():
-        if id(new) in index:
-            index[old] = index[id(new)]
+        hits = [index[id(n)][0] for n in (new if isinstance(new, list) else [new])
+                if id(n) in index]
+        if hits:
+            index[old] = hits
     members, owner = [], set()
     for g in source:
         chosen = []
         for p in (g["params"] if not torch.is_tensor(g["params"]) else [g["params"]]):
-            i = index.get(id(p))
-            if i is None:
-                continue
-            if i in owner:
-                raise UsageError(f"{names[i]} is in two optimizer param groups", where=WHERE,
-                                 hint="put every parameter in one group only")
-            owner.add(i)
-            chosen.append(i)
+            for i in index.get(id(p), ()):
+                if i in owner:
+                    raise UsageError(f"{names[i]} is in two optimizer param groups",
+                                     where=WHERE, hint="put every parameter in one group only")
+                owner.add(i)
+                chosen.append(i)
         members.append(chosen)
     if (cfg.optimizer is not None or client is not None) and not owner:
         raise UsageError("the optimizer would have no trainable parameters", where=WHERE,

@@ -210,7 +210,7 @@ class DeepShardConfig(Section):
         "data_parallel_size",
         "data_types", "torch_autocast", "aio",
         "autotuning", "data_efficiency", "compile", "timers",
-        "expert_parallel", "hybrid_engine",
+        "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
         "amp", "nebula", "compression_training", "quantize_training", "sparse_gradients",
@@ -225,6 +225,11 @@ class DeepShardConfig(Section):
         "Samples per forward/backward pass on one rank.", default=None)
     gradient_accumulation_steps: PosInt | None = doc(
         "Micro batches accumulated per optimizer step.", default=None)
+    expert_parallel: dict[str, Any] = doc(
+        "DeepSpeed's AutoEP section ({'enabled': true, 'autoep_size': N, 'preset_model': "
+        "'mixtral'}): initialize shards the experts of an HF MoE model (Mixtral, Qwen2-MoE, "
+        "Qwen3-MoE) over N ranks of the data-parallel axis (deepshard.moe.hf); its keys are "
+        "checked there.", default_factory=dict)
     sequence_parallel_size: PosInt = doc(
         "Ranks of one Ulysses sequence-parallel group (consecutive ranks): they share each "
         "batch, every one holding 1/size of its tokens; the data-parallel size the batch "

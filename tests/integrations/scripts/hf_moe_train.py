@@ -4,8 +4,10 @@ the unsharded model with torch's Adam on every rank's batch; save in the HF form
 
     ds-run --num_gpus 2 hf_moe_train.py --out_dir OUT --runs mixtral:0 qwen3_moe:2
 
-A run is ``kind:stage[:ep1]`` (``ep1``: then checkpoint, load the checkpoint at ep 1 and
-take one more step). Every rank prints ``RESULT {json}``: per step the largest
+A run is ``kind:stage[:ep1][:autoep]`` (``ep1``: then checkpoint, load the checkpoint at
+ep 1 and take one more step; ``autoep``: ``initialize`` shards the model itself, by
+DeepSpeed's ``expert_parallel`` config section, from parameters listed before).
+Every rank prints ``RESULT {json}``: per step the largest
 difference of its loss, load-balancing loss and router logits from the reference's on its
 batch, and after the steps that of every parameter (experts gathered back under HF
 names); rank 0 adds that of the state dict ``from_pretrained`` loads from the save, and
@@ -26,7 +28,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import deepshard
-from deepshard.moe.hf import fused_state_dict, hf_state_dict, shard_hf_moe
+from deepshard.moe.hf import expert_parallel_layers, fused_state_dict, hf_state_dict, shard_hf_moe
 from tests.integrations.tiny import batch
 
 VOCAB = 64
@@ -58,12 +60,17 @@ def biggest(a, b) -> float:
     return float((a.detach().float() - b.detach().float()).abs().max())
 
 
-def make_engine(model, stage: int):
+def make_engine(model, stage: int, autoep: int = 0):
+    """The engine; ``autoep``: DeepSpeed's AutoEP section at that size shards the model."""
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": LR, "betas": BETAS, "eps": EPS,
                                                       "weight_decay": 0.0}},
               "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
-    engine, _, _, _ = deepshard.initialize(model=model, model_parameters=model.parameters(),
+    if autoep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": autoep}
+    # listed now: with autoep they are the fused HF parameters initialize replaces
+    params = list(model.parameters())
+    engine, _, _, _ = deepshard.initialize(model=model, model_parameters=params,
                                            config=config)
     return engine
 
@@ -108,7 +115,7 @@ def loaded(path: Path, ref) -> dict:
             "logits": logits}
 
 
-def run(kind: str, stage: int, reshard: bool, out: Path) -> dict:
+def run(kind: str, stage: int, flags: list[str], out: Path) -> dict:
     """Train at ep = world size; save in the HF format; with ``reshard``, checkpoint, load
     the checkpoint into a model sharded at ep 1 (from other weights) and take one step."""
     start = time.perf_counter()
@@ -116,8 +123,13 @@ def run(kind: str, stage: int, reshard: bool, out: Path) -> dict:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_moe(kind))
     ref = copy.deepcopy(model)
-    replaced = shard_hf_moe(model, ep_size=world)
-    engine = make_engine(model, stage)
+    reshard = "ep1" in flags
+    if "autoep" in flags:
+        engine = make_engine(model, stage, autoep=world)
+        replaced = [name for name, _ in expert_parallel_layers(model)]
+    else:
+        replaced = shard_hf_moe(model, ep_size=world)
+        engine = make_engine(model, stage)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, betas=BETAS, eps=EPS)
     report = {"rank": rank, "kind": kind, "stage": stage, "replaced": replaced,
               "steps": train(engine, ref, ref_opt, range(STEPS)), **compared(engine, ref),
@@ -156,7 +168,7 @@ def main() -> None:
     reports = {}
     for spec in args.runs:
         kind, stage, *rest = spec.split(":")
-        reports[spec] = run(kind, int(stage), rest == ["ep1"],
+        reports[spec] = run(kind, int(stage), rest,
                             Path(args.out_dir) / spec.replace(":", "_"))
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "runs": reports}), flush=True)
 
