@@ -12,7 +12,7 @@ import torch
 
 import deepshard
 from deepshard import contract
-from deepshard.liveness import RECORD, read_heartbeat
+from deepshard.liveness import FILE_SIZE, read_heartbeat
 from tests.unit.monitor.common import read_scalars
 
 GAS, STEPS, MICRO = 2, 3, 2
@@ -139,7 +139,7 @@ def test_timer_line_every_steps_per_print(steps_per_print, lines, tmp_path, one_
 def test_heartbeat_carries_the_steps_mean_loss(engine_backward, tmp_path, one_process,
                                                monkeypatch):
     beat = tmp_path / "heartbeat"
-    beat.write_bytes(bytes(RECORD.size))
+    beat.write_bytes(bytes(FILE_SIZE))  # as the agent makes it: the record, the checkpoint
     monkeypatch.setenv(contract.HEARTBEAT_FILE, str(beat))
     _, seen = train(tmp_path, extra={"csv_monitor": {"enabled": False}},
                     engine_backward=engine_backward)
