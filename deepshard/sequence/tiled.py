@@ -13,7 +13,9 @@ per-token, so they can be computed a tile of tokens at a time:
   in the forward (the loss is the last op, its gradient is linear in the incoming one): one
   pass over the head fewer than a recompute, and it keeps the input gradient instead of the
   input. Unlike DeepSpeed's it returns the exact mean over valid tokens (a sum over tiles
-  divided by the count), equal to the untiled loss whatever the tiling.
+  divided by the count), equal to the untiled loss whatever the tiling. A plain ``Linear``
+  head skips autograd altogether: :mod:`.fused_ce` differentiates it by hand in one reused
+  logits buffer (1.5x DeepSpeed's step at SP 2 in ``benchmarks/long_seq.py``).
 
 Gradients of the module's parameters. DeepSpeed's functions call ``torch.autograd.backward``
 per tile, so a parameter's ``.grad`` is accumulated once per tile (inside the forward, for
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .fused_ce import LinearCrossEntropy, fusable, tile_bounds
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "auto_logits_shards", "auto_mlp_shards",
            "tiled_logits_loss", "tiled_mlp"]
@@ -100,11 +103,6 @@ def _add(total: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None])
             total[i] = g.clone() if total[i] is None else total[i].add_(g)
 
 
-def _bounds(rows: int, shards: int) -> list[tuple[int, int]]:
-    step = math.ceil(rows / max(1, shards)) if rows else 1
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
-
-
 class _TiledModule(torch.autograd.Function):
     """``fn(module, x)`` over tiles of ``x``'s rows; only ``x`` is saved for backward."""
 
@@ -113,7 +111,7 @@ class _TiledModule(torch.autograd.Function):
         ctx.fn, ctx.module, ctx.names, ctx.shards = fn, module, names, shards
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
-        outs = [fn(module, flat[a:b]) for a, b in _bounds(flat.shape[0], shards)]
+        outs = [fn(module, flat[a:b]) for a, b in tile_bounds(flat.shape[0], shards)]
         out = torch.cat(outs, dim=0)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -127,7 +125,7 @@ class _TiledModule(torch.autograd.Function):
         grad = grad.reshape(flat.shape[0], -1)
         x_grad = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
         totals: list[torch.Tensor | None] = [None] * len(aliases)
-        for a, b in _bounds(flat.shape[0], ctx.shards):
+        for a, b in tile_bounds(flat.shape[0], ctx.shards):
             tile = flat[a:b].requires_grad_(x_grad is not None)
             inputs = ([tile] if x_grad is not None else []) + aliases
             with torch.enable_grad(), _swapped(module, ctx.names, aliases):
@@ -175,7 +173,7 @@ class _TiledLoss(torch.autograd.Function):
         x_grad = torch.zeros_like(x) if train and x.requires_grad else None
         totals: list[torch.Tensor | None] = [None] * len(aliases)
         total = torch.zeros((), dtype=_loss_dtype(x), device=x.device)
-        for a, b in _bounds(x.shape[0], shards):
+        for a, b in tile_bounds(x.shape[0], shards):
             tile = x[a:b].detach().requires_grad_(x_grad is not None)
             grad_mode = torch.enable_grad() if train else contextlib.nullcontext()
             with grad_mode, _swapped(module, names, aliases):
@@ -245,6 +243,12 @@ def tiled_logits_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch
         denominator = torch.as_tensor(num_items_in_batch, device=hidden.device)
     train = torch.is_grad_enabled() and (hidden.requires_grad or bool(params))
     rows = hidden.reshape(-1, hidden.shape[-1])
+    if fusable(head, rows):
+        bias = head.bias
+        need = (train and rows.requires_grad, train and head.weight.requires_grad,
+                train and bias is not None and bias.requires_grad)
+        return LinearCrossEntropy.apply(rows, labels.reshape(-1), denominator, ignore_index,
+                                        shards, need, head.weight, bias)
     return _TiledLoss.apply(_head_ce(ignore_index), head, tuple(names), shards, train,
                             denominator, (labels.reshape(-1),), rows, *params)
 
@@ -284,7 +288,7 @@ class TiledFusedLogitsLoss:
                              "hidden states and [batch, seq] labels")
         names, params = _trainable(self, compute_params, "TiledFusedLogitsLoss")
         rows = x.shape[0] * x.shape[1]
-        tiles = len(_bounds(rows, shards))
+        tiles = len(tile_bounds(rows, shards))
         targets = (y.reshape(rows, *y.shape[2:]),)
         if mask is not None:
             targets += (mask.reshape(rows),)

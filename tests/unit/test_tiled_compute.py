@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from deepshard.errors import UsageError
+from deepshard.sequence.fused_ce import fusable
 from deepshard.sequence.tiled import TiledFusedLogitsLoss, TiledMLP, tiled_logits_loss, tiled_mlp
 
 
@@ -134,6 +135,38 @@ def test_tiled_logits_loss_equals_cross_entropy(shards, num_items):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_a_head_with_hooks_or_under_autocast_goes_through_autograd_alike():
+    """The hand-differentiated path (a plain Linear) and the autograd one (a head with a
+    hook, as ZeRO-3 gathers it; or under autocast) agree with the plain loss."""
+    head, x, labels = loss_case(seed=1)
+    assert fusable(head, x)
+    want, want_grads = loss_and_grads(head, x, lambda t: F.cross_entropy(
+        head(t).flatten(0, 1), labels.flatten()))
+    handle = head.register_forward_pre_hook(lambda module, args: None)
+    assert not fusable(head, x)
+    got, got_grads = loss_and_grads(head, x, lambda t: tiled_logits_loss(
+        t, head, labels, shards=4))
+    handle.remove()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fusable(head, x)
+
+
+def test_bf16_head_matches_autograd_in_its_own_dtype():
+    head, x, labels = loss_case(seed=3)
+    head, x = head.to(torch.bfloat16), x.to(torch.bfloat16)
+    want, want_grads = loss_and_grads(head, x, lambda t: F.cross_entropy(
+        head(t).float().flatten(0, 1), labels.flatten()))
+    got, got_grads = loss_and_grads(head, x, lambda t: tiled_logits_loss(
+        t, head, labels, shards=3))
+    assert got.dtype == torch.float32 and got_grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_tiled_logits_loss_without_grad_and_bad_labels():
