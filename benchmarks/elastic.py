@@ -80,6 +80,7 @@ from record import RESULTS, Run  # noqa: E402
 WORKER = str(ROOT / "benchmarks" / "elastic_worker.py")
 STEP = re.compile(r"\bSTEP (\d+) world (\d+)\b")
 RESUMED = re.compile(r"\bRESUMED step (\d+) load_s ([0-9.]+)")
+START_CPU = re.compile(r"\bSTARTCPU ([0-9.]+)")
 RDZV_PORT = 29400
 WARM_STEP = 3
 """The job is measured once it reached this step on all hosts."""
@@ -142,6 +143,12 @@ class Log:
     def first(self, pattern: str, after: float) -> float | None:
         return next((t for t, _, line in self.snapshot() if t >= after and pattern in line),
                     None)
+
+    def start_cpu(self, after: float) -> float | None:
+        """The first ``STARTCPU`` seconds after ``after``: the new world's workers' CPU time
+        until their first step, summed over the ranks."""
+        return next((float(m.group(1)) for t, _, line in self.snapshot()
+                     if t >= after and (m := START_CPU.search(line))), None)
 
     def loads(self, after: float) -> list[tuple[float, int, float]]:
         """(time, step, seconds) of every RESUMED line after ``after``."""
@@ -308,6 +315,8 @@ def scenario(job, cluster: SimCluster, n: int, timeout: float) -> dict:
             "shrink_s": t_shrunk - t_kill, "grow_s": t_grown - t_return,
             "relaunch_shrink_s": None if boot_shrink is None else boot_shrink - t_kill,
             "relaunch_grow_s": None if boot_grow is None else boot_grow - t_return,
+            "start_cpu_shrink_s": log.start_cpu(t_kill), "start_cpu_grow_s":
+            log.start_cpu(t_return),
             "load_shrink_s": next((s for t, _, s in loads if t <= t_shrunk), None),
             "load_grow_s": next((s for t, _, s in loads if t > t_return), None),
             "steps_redone_shrink": before + 1 - shrunk_step,
@@ -363,10 +372,17 @@ def _ratio(row: dict, peer: dict | None, key: str) -> str:
     return f" ({row[key] / peer[key]:.2f}x torchrun)"
 
 
+def _cpu(row: dict, phase: str) -> str:
+    """The new world's CPU seconds to its first step, and that over this machine's cores:
+    the least wall time the script's start can take when every host shares them."""
+    cpu = row.get(f"start_cpu_{phase}_s")
+    return "-" if cpu is None else f"{cpu:.1f} ({cpu / (os.cpu_count() or 1):.1f})"
+
+
 def table_line(row: dict, rows: list[dict], monitor_timeout: float) -> str:
     """One row of the table; ds-run's with its ratios to torchrun's on as many hosts."""
     if row["status"] != "ok":
-        return f"| {row['hosts']} | {row['launcher']} | {row['status'][:80]} | | | | | |"
+        return f"| {row['hosts']} | {row['launcher']} | {row['status'][:80]} | | | | | | |"
     peer = next((p for p in rows if p["hosts"] == row["hosts"] and p["status"] == "ok"
                  and p["launcher"] == "torchrun"), None)
     load = row["load_shrink_s"] or 0.0
@@ -375,17 +391,19 @@ def table_line(row: dict, rows: list[dict], monitor_timeout: float) -> str:
     return (f"| {row['hosts']} | {row['launcher']} | {_s(row['shrink_s'])}"
             f"{_ratio(row, peer, 'shrink_s')} | {_s(row['grow_s'])}"
             f"{_ratio(row, peer, 'grow_s')} | {_s(row['relaunch_shrink_s'])} / "
-            f"{_s(row['relaunch_grow_s'])} | {load:.3f} / {row['load_grow_s'] or 0:.3f} | "
+            f"{_s(row['relaunch_grow_s'])} | {_cpu(row, 'shrink')} / {_cpu(row, 'grow')} | "
+            f"{load:.3f} / {row['load_grow_s'] or 0:.3f} | "
             f"{row['steps_redone_shrink']} / {row['steps_redone_grow']} | {target} |")
 
 
 def table(rows: list[dict], monitor_timeout: float) -> list[str]:
     """The markdown table: one line per host count and launcher."""
     return ["| hosts | launcher | node lost -> steps on N-1 (s) | node back -> steps on N "
-            "(s) | of which until rank 0 starts: lost / back (s) | checkpoint load: lost / "
+            "(s) | of which until rank 0 starts: lost / back (s) | workers' CPU s to their "
+            f"first step (/ {os.cpu_count()} cores): lost / back | checkpoint load: lost / "
             "back (s) | steps redone: lost / back | shrink <= "
             f"{monitor_timeout:g} s + 5 s + load |",
-            "|---:|---|---:|---:|---:|---:|---:|---|"] + [
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|"] + [
         table_line(r, rows, monitor_timeout) for r in rows]
 
 

@@ -18,8 +18,11 @@ batch (``train_batch_size``, micro batch 1: the accumulation steps follow the wo
 
 Rank 0 prints ``BOOT`` first, before it imports torch (the launcher's part of a relaunch
 ends there), ``RESUMED step S load_s X`` after a load (X: the seconds the load took) and
-``STEP <n> world <w>`` after each step's checkpoint. The job ends, on every rank at the
-same step, once ``WORKDIR/stop`` exists (an all-reduce of the flag every step).
+``STEP <n> world <w>`` after each step's checkpoint; after the first step of each start,
+``STARTCPU <s>``: the CPU seconds every rank's process has used since it started (summed
+over the ranks: on hosts that share this machine's cores, a floor under the start's time).
+The job ends, on every rank at the same step, once ``WORKDIR/stop`` exists (an all-reduce
+of the flag every step).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ if os.environ.get("RANK") == "0":
 
 import argparse
 import contextlib
+import resource
 import time
 from pathlib import Path
 
@@ -58,6 +62,14 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+def say_start_cpu() -> None:
+    """``STARTCPU``: this start's CPU seconds so far, summed over the ranks."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = torch.tensor([usage.ru_utime + usage.ru_stime], dtype=torch.float64)
+    dist.all_reduce(total)
+    say(f"STARTCPU {float(total):.2f}")
+
+
 def stop_now(workdir: Path) -> bool:
     """Whether any rank sees the stop file (every rank gets the same answer)."""
     flag = torch.tensor([1.0 if (workdir / "stop").exists() else 0.0])
@@ -77,7 +89,7 @@ def run_deepshard(args: argparse.Namespace) -> None:
     path, _ = engine.load_checkpoint(ckpt)
     if path is not None:
         say(f"RESUMED step {engine.global_steps} load_s {time.perf_counter() - start:.4f}")
-    world, batches = engine.world_size, iter(loader)
+    world, batches, fresh = engine.world_size, iter(loader), True
     while not stop_now(args.workdir):
         before = engine.global_steps
         while engine.global_steps == before:
@@ -86,6 +98,9 @@ def run_deepshard(args: argparse.Namespace) -> None:
             engine.step()
         engine.save_checkpoint(ckpt)
         say(f"STEP {engine.global_steps} world {world}")
+        if fresh:
+            fresh = False
+            say_start_cpu()
         time.sleep(args.delay)
 
 
@@ -106,7 +121,7 @@ def run_torch(args: argparse.Namespace) -> None:
         say(f"RESUMED step {step} load_s {time.perf_counter() - start:.4f}")
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0))
-    micro = args.train_batch // world
+    micro, fresh = args.train_batch // world, True
     while not stop_now(args.workdir):
         first = step * args.train_batch % SAMPLES
         mine = order[first:first + args.train_batch][rank::world]
@@ -125,6 +140,9 @@ def run_torch(args: argparse.Namespace) -> None:
                         "step": step}, tmp)
             os.replace(tmp, ckpt)
         say(f"STEP {step} world {world}")
+        if fresh:
+            fresh = False
+            say_start_cpu()
         time.sleep(args.delay)
     dist.destroy_process_group()
 
