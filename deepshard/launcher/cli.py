@@ -231,6 +231,12 @@ def probe_host(options: LaunchOptions, host: str, slots: int) -> str | None:
     if options.launcher == "slurm":
         import subprocess
 
+        from .backends.slurm import slurmd_addresses, slurmd_answers
+
+        # a dead node's srun takes MessageTimeout (10 s) to fail: ask its slurmd first
+        slurmd = slurmd_addresses([host]).get(host)
+        if slurmd is not None and not slurmd_answers(slurmd):
+            return f"its slurmd ({slurmd[0]}:{slurmd[1]}) does not answer"
         probe = subprocess.run(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
                                 "--overlap", "--quiet", "true"], capture_output=True,
                                text=True, timeout=max(30.0, options.ssh_connect_timeout),
