@@ -178,13 +178,16 @@ def global_expert_ids(layer: Any) -> list[int]:
     return [ep_rank * local + j for j in range(local)]
 
 
-def refuse_tensor_parallel(module: torch.nn.Module, tp_size: int) -> None:
-    """One-line :class:`UsageError` when ``module`` holds MoE layers and the job asks for
-    AutoTP (``tp_size > 1``): AutoTP would split the experts' Linears into new parameters
-    without their expert marks, and the layers would get no expert-parallel groups. To be
-    called before the layout is applied."""
-    if tp_size > 1 and next(moe_layers(module), None) is not None:
-        raise UsageError(f"MoE layers with tensor_parallel.autotp_size={tp_size} are not "
-                         "supported", where="tensor_parallel.autotp_size",
-                         hint="use autotp_size 1 with MoE models (expert parallelism runs "
-                              "over the data-parallel ranks; pipeline stages work)")
+def moe_module_names(module: torch.nn.Module) -> frozenset[str]:
+    """Qualified names (``named_modules``) of every module that is, or lies inside, an MoE
+    layer: each :class:`~deepshard.moe.sharded_moe.MOELayer` and the ``MoE`` holding it as
+    ``deepspeed_moe`` (its residual MLP and coefficient too). AutoTP leaves them whole:
+    an MoE layer is replicated over the tensor-parallel group, as DeepSpeed's is without
+    expert tensor parallelism."""
+    from .sharded_moe import MOELayer
+
+    named = list(module.named_modules())
+    roots = [name for name, sub in named if isinstance(sub, MOELayer)
+             or isinstance(getattr(sub, "deepspeed_moe", None), MOELayer)]
+    return frozenset(name for name, _ in named for root in roots
+                     if not root or name == root or name.startswith(f"{root}."))

@@ -39,6 +39,11 @@ per module that directly owns the Linears:
   :func:`~.tensor.vocab_parallel_cross_entropy`. Everything else (norms, position
   embeddings, other Linears) is replicated. Tied weights stay tied when both ends split
   the same way, else both are replicated.
+- MoE layers (:func:`~deepshard.moe.groups.moe_module_names`: the gate, the experts, a
+  residual MLP) are left whole, replicated over the tensor-parallel group like a norm
+  (DeepSpeed's default, without expert tensor parallelism): the group's ranks route the
+  same tokens and compute the same output; the expert-parallel groups are formed inside
+  each data-parallel group (the ranks of one tensor-parallel rank).
 
 Use (what ``"tensor_parallel": {"autotp_size": T}`` does)::
 
@@ -212,7 +217,11 @@ def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -
     if not isinstance(tp_size, int) or tp_size < 1:
         raise UsageError(f"tensor-parallel size must be a positive integer, not {tp_size!r}",
                          where="tensor_parallel.autotp_size", hint="set it to e.g. 2")
-    modules = dict(model.named_modules())
+    from ...moe.groups import moe_module_names
+
+    every = dict(model.named_modules())
+    moe = moe_module_names(model)
+    modules = {n: m for n, m in every.items() if n not in moe}
     blocks = block_names(model)
     linears = {n: m for n, m in modules.items() if type(m) is nn.Linear}
     embeddings = {n: m for n, m in modules.items() if type(m) is nn.Embedding}
@@ -236,8 +245,12 @@ def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -
         if name not in entries:
             entries[name] = _replicate(name, module, "outside the transformer blocks"
                                        if not in_block(name, blocks) else "no rule applies")
-    entries, ties = _reconcile_ties(modules, entries)
-    order = {name: i for i, name in enumerate(modules)}
+    for name in moe:
+        if isinstance(every[name], (nn.Linear, nn.Embedding)):
+            entries[name] = _replicate(name, every[name], "inside an MoE layer (the layer "
+                                       "is replicated over the tensor-parallel group)")
+    entries, ties = _reconcile_ties(every, entries)
+    order = {name: i for i, name in enumerate(every)}
     return TPPlan(tp_size, tuple(sorted(entries.values(), key=lambda e: order[e.name])),
                   tuple(attention), ties)
 

@@ -102,10 +102,8 @@ class Layout:
         excluded: set[int] = set()
         t = self.topology.tensor
         if t > 1:
-            from ...moe.groups import refuse_tensor_parallel
             from .autotp import apply_autotp, plan_autotp
 
-            refuse_tensor_parallel(module, t)  # AutoTP would split the experts' Linears
             group = self.groups.tensor_group
             broadcast(module, group, t)
             plan = plan_autotp(module, t)

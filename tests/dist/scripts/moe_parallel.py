@@ -1,18 +1,16 @@
-"""MoE inside tensor or pipeline parallelism on 4 gloo ranks, against one process holding
-every expert (:mod:`moe_common`): ``tp`` (AutoTP 2 x data 2, ep 2 over the data axis) and
-``pp`` (2 stages x data 2, the MoE layer on stage 1, ZeRO stages 0-1; the pipeline
-carries no aux loss, so the reference leaves it out). Reports ``RESULT <json>``: per
-step the largest weight difference on this rank (per ZeRO stage for ``pp``), or the
-one-line error ``initialize`` raised.
+"""MoE inside pipeline parallelism on 4 gloo ranks, against one process holding every
+expert (:mod:`moe_common`): 2 stages x data 2, the MoE layer on stage 1, ZeRO stages 0-1
+(the pipeline carries no aux loss, so the reference leaves it out). Reports ``RESULT
+<json>``: per ZeRO stage, per step the largest weight difference on this rank, or the
+one-line error ``initialize`` raised. MoE inside AutoTP: ``moe_tp.py``.
 
-Usage: ``moe_parallel.py tp|pp``.
+Usage: ``moe_parallel.py pp``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import moe_common as mc
 import torch
@@ -38,27 +36,6 @@ class MoEOnly(torch.nn.Module):
 
 def square_mean(out, _label):
     return out.pow(2).mean()
-
-
-def run_tp(world: int) -> dict:
-    state = mc.reference_state(CASE)
-    ref = mc.Reference(CASE, state)
-    data = dist.get_rank() // 2  # rank = data * T + tensor
-    net = mc.Net(EP, CASE.k, CASE.drop)
-    net.load_state_dict(mc.to_local(state, EP, data))
-    cfg = mc.config(CASE, world // 2) | {"tensor_parallel": {"autotp_size": 2}}
-    try:
-        engine, *_ = deepshard.initialize(model=net, config=cfg)
-    except UsageError as err:
-        return {"error": str(err)}
-    diffs = []
-    for step in range(STEPS):
-        xs = mc.batch(step, world // 2)
-        engine.backward(engine(xs[data]))
-        engine.step()
-        ref.step(xs)
-        diffs.append(_diff(engine.module.state_dict(), ref.state(), data))
-    return {"diffs": diffs}
 
 
 def run_pp(world: int) -> dict:
@@ -122,7 +99,7 @@ def main() -> None:
     deepshard.init_distributed()
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    out = (run_tp if sys.argv[-1] == "tp" else run_pp)(world)
+    out = run_pp(world)
     print("RESULT " + json.dumps({"rank": dist.get_rank(), **out}), flush=True)
 
 

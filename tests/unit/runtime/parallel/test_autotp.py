@@ -236,3 +236,25 @@ def test_apply_keeps_ties_and_refuses_a_mismatched_plan():
     with pytest.raises(UsageError, match="plan is for 2 tensor-parallel ranks but the group "
                                          "has 1"):
         apply_autotp(GPT(TINY), plan_autotp(GPT(TINY), 2), None)
+
+
+def test_moe_layers_are_left_whole():
+    from deepshard.moe.layer import MoE
+
+    class MoEBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = nn.Linear(8, 32), nn.Linear(32, 8)
+            # by shape alone, each expert's 8 -> 16 -> 8 would be a column/row pair
+            expert = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+            self.moe = MoE(8, expert, num_experts=4, ep_size=2, k=2, use_residual=True)
+
+    model = nn.Sequential(MoEBlock())
+    plan = plan_autotp(model, 2)
+    split = {n: k for n, k in kinds(plan).items() if k != "replicate"}
+    assert split == {"0.fc": "column", "0.proj": "row"}
+    inside = [e for e in plan.entries if e.name.startswith("0.moe.")]
+    names = {e.name for e in inside}
+    assert {"0.moe.deepspeed_moe.gate.wg", "0.moe.mlp.0", "0.moe.coefficient",
+            "0.moe.deepspeed_moe.experts.deepspeed_experts.1.2"} <= names
+    assert all("inside an MoE layer" in e.reason for e in inside)
