@@ -223,18 +223,21 @@ class SimCluster:
         with open(self.home / ".ssh" / "config", "a") as cfg:
             cfg.write(f"Host {alias}\n" + "".join(f"    {k} {v}\n" for k, v in lines.items()))
 
-    def stray_pids(self) -> dict[str, list[int]]:
-        """Processes in each host other than its sshd listener: a finished job leaves none."""
+    def stray_pids(self, daemons: frozenset[int] = frozenset()) -> dict[str, list[int]]:
+        """Processes in each host other than its sshd listener and ``daemons`` (pids of
+        other per-host services, e.g. a slurmd): a finished job leaves none."""
         stray = {}
         for host in self.hosts:
-            pids = [p for p in host.pids() if host.sshd is None or p != host.sshd.pid]
+            pids = [p for p in host.pids() if p not in daemons
+                    and (host.sshd is None or p != host.sshd.pid)]
             if pids:
                 stray[host.name] = pids
         return stray
 
-    def wait_no_strays(self, timeout: float = 10) -> dict[str, list[int]]:
+    def wait_no_strays(self, timeout: float = 10, daemons: frozenset[int] = frozenset()
+                       ) -> dict[str, list[int]]:
         deadline = time.monotonic() + timeout
-        while (stray := self.stray_pids()) and time.monotonic() < deadline:
+        while (stray := self.stray_pids(daemons)) and time.monotonic() < deadline:
             time.sleep(0.1)
         return stray
 

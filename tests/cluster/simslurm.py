@@ -265,18 +265,11 @@ class SimSlurmCluster(_Slurm):
             time.sleep(0.2)
         return left
 
-    def stray_pids(self) -> dict[str, list[int]]:
-        """Processes in each host besides its daemons (sshd, slurmd): a job's leftovers."""
-        daemons = {p.pid for p in self.slurmds.values() if p.poll() is None}
-        daemons |= {h.sshd.pid for h in self.cluster.hosts if h.sshd is not None}
-        found = {h.name: [p for p in h.pids() if p not in daemons] for h in self.cluster.hosts}
-        return {name: pids for name, pids in found.items() if pids}
-
     def wait_no_strays(self, timeout: float = 10) -> dict[str, list[int]]:
-        deadline = time.monotonic() + timeout
-        while (stray := self.stray_pids()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return stray
+        """The hosts' processes besides their sshd and slurmd (a job's leftovers), once
+        none is left or ``timeout`` has passed."""
+        slurmds = frozenset(p.pid for p in self.slurmds.values() if p.poll() is None)
+        return self.cluster.wait_no_strays(timeout, daemons=slurmds)
 
     def _stop_slurmds(self) -> None:
         for proc in self.slurmds.values():
