@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 # compat: a plain .pth path entry, no import hook: keeps ds-run's start-up cheap
 EDITABLE := --config-settings editable_mode=compat
 
-.PHONY: install install-test demo test lint bench bench-fanout bench-train bench-zero \
+.PHONY: install install-test demo test lint docs bench bench-fanout bench-train bench-zero \
 	bench-parallel bench-hf bench-onebit bench-moe bench-long-seq bench-elastic plots clean
 
 $(PY):
@@ -29,6 +29,10 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(PIP) $(EDITABLE) -e '.[test]'
 	touch $@
 
+$(VENV)/.installed-docs: pyproject.toml $(VENV)/.installed
+	$(PIP) $(EDITABLE) -e '.[docs]'
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
@@ -41,8 +45,13 @@ lint: install-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy
 
+# the site (docs/, mkdocs.yml) into site/; --strict: a broken link or anchor, or a page
+# missing from nav, fails the build (and so `make test`)
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # pytest exits 5 when it collects nothing: that fails this target like any other error
-test: lint
+test: lint docs
 	$(PY) -m pytest
 
 bench: install
@@ -85,4 +94,4 @@ plots: $(VENV)/.installed-plot
 	$(PY) benchmarks/plot.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis site
