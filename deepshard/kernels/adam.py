@@ -1,20 +1,20 @@
-"""Fused multi-tensor Adam/AdamW (``cuda/adam.cu``), its torch reference, and ``FusedAdam``.
+"""Fused multi-tensor Adam/AdamW (``cuda/adam.cu``) and its torch reference.
 
 The engine keeps torch's own fused AdamW by default (see ``runtime/optim/build.py``); this
-kernel exists so DeepSpeed's ``FusedAdam`` name works and so the two can be benchmarked.
+kernel is benchmarked against it. The optimizer around it is
+:class:`deepshard.runtime.optim.adam.KernelAdam`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from . import loader
-from .bench import BenchCase
+from deepshard.kernels import loader
+from deepshard.kernels.bench import BenchCase
 
 CHUNK = 1 << 16
 """Elements per chunk: one block updates one chunk of one tensor at a time."""
@@ -99,10 +99,10 @@ def fused_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     """
     if not params:
         return
-    kw = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              decoupled=decoupled, bias_correction=bias_correction)
     if not loader.cuda_ready(*params, *grads, *exp_avgs, *exp_avg_sqs):
-        adam_reference(params, grads, exp_avgs, exp_avg_sqs, **kw)
+        adam_reference(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
+                       beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                       bias_correction=bias_correction)
         return
     import numpy as np
 
@@ -121,74 +121,6 @@ def fused_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     loader.launch(fn, (min(chunks, MAX_BLOCKS),), (THREADS,), args)
 
 
-class FusedAdam(torch.optim.Optimizer):
-    """DeepSpeed's ``FusedAdam``: Adam (``adam_w_mode=False``, L2 decay) or AdamW.
-
-    State per parameter, as DeepSpeed keeps it: ``step`` (int), ``exp_avg`` and
-    ``exp_avg_sq`` in fp32 whatever the parameter dtype. Each param group is updated by
-    :func:`fused_adam_step`, one launch per (device, dtype, step) bucket.
-    """
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 adam_w_mode: bool = True, weight_decay: float = 0.0,
-                 amsgrad: bool = False) -> None:
-        if amsgrad:
-            raise ValueError("FusedAdam does not support amsgrad")
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, "
-                             f"{weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        adam_w_mode=adam_w_mode, weight_decay=weight_decay)
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Apply one update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("FusedAdam does not support sparse gradients")
-            beta1, beta2 = group["betas"]
-            for (_, _, step), (ps, gs, ms, vs) in moment_columns(self.state, params).items():
-                fused_adam_step(ps, gs, ms, vs, step=step, lr=group["lr"], beta1=beta1,
-                                beta2=beta2, eps=group["eps"],
-                                weight_decay=group["weight_decay"],
-                                decoupled=group["adam_w_mode"],
-                                bias_correction=group["bias_correction"])
-        return loss
-
-
-def moment_columns(states: dict, params: Sequence[torch.Tensor]
-                   ) -> dict[tuple, list[list[torch.Tensor]]]:
-    """Advance each param's step and group (param, grad, exp_avg, exp_avg_sq) columns by
-    (device, dtype, step): what one multi-tensor launch takes. Moments are created, or
-    brought back to, fp32 (``load_state_dict`` casts state to the param's dtype); grads are
-    made contiguous in the param dtype (no copy when they already are)."""
-    columns: dict[tuple, list[list[torch.Tensor]]] = {}
-    for p in params:
-        state = states[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        elif state["exp_avg"].dtype != torch.float32:
-            state["exp_avg"] = state["exp_avg"].float()
-            state["exp_avg_sq"] = state["exp_avg_sq"].float()
-        state["step"] += 1
-        cols = columns.setdefault((p.device, p.dtype, state["step"]), [[], [], [], []])
-        grad = p.grad.to(p.dtype).contiguous()
-        for col, t in zip(cols, (p, grad, state["exp_avg"], state["exp_avg_sq"]), strict=True):
-            col.append(t)
-    return columns
-
-
 def bench_cases(device: torch.device) -> list[BenchCase]:
     """64M fp32 parameters in 20 tensors: ours against ``torch.optim.AdamW(fused=True)``."""
     sizes = [(64 << 20) // 20] * 19
@@ -202,10 +134,10 @@ def bench_cases(device: torch.device) -> list[BenchCase]:
     ms = [torch.zeros_like(p) for p in params]
     vs = [torch.zeros_like(p) for p in params]
     steps = iter(range(1, 1 << 30))
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
     def ours() -> None:
-        fused_adam_step(params, grads, ms, vs, step=next(steps), decoupled=True, **hp)
+        fused_adam_step(params, grads, ms, vs, step=next(steps), lr=1e-3, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
     peer_params = [torch.nn.Parameter(p.clone()) for p in params]
     for p, g in zip(peer_params, grads, strict=True):

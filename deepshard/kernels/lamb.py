@@ -1,14 +1,15 @@
-"""LAMB with DeepSpeed ``FusedLamb``'s update: the one torch oracle of its math, the fused
-multi-tensor CUDA kernel (``cuda/lamb.cu``) and ``FusedLamb``, the optimizer the engine uses
-for ``LAMB`` on GPUs.
+"""LAMB with DeepSpeed ``FusedLamb``'s update: the one torch oracle of its math and the fused
+multi-tensor CUDA kernel (``cuda/lamb.cu``).
 
-:func:`lamb_reference`, :func:`clip_divisor`, :func:`step_size` and
-:func:`check_hyperparameters` are the only statement of the formulas in torch: the runtime's
-:class:`deepshard.runtime.optim.lamb.Lamb` (every device) is built on them, ``FusedLamb``
-falls back to :func:`lamb_reference` where the kernel cannot run, and the kernel's tests hold
-it to :func:`lamb_reference`. They live here because ``kernels`` imports nothing of the
-runtime. The bias correction scales the step size, not the moments, so the trust ratio is
-measured on the uncorrected update ``u = m / (sqrt(v) + eps) + wd p``.
+:func:`lamb_reference`, :func:`clip_divisor`, :func:`device_clip_divisor`, :func:`step_size`
+and :func:`check_hyperparameters` are the only statement of the formulas in torch: the
+runtime's :class:`deepshard.runtime.optim.lamb.Lamb` (every device) is built on them,
+:class:`deepshard.runtime.optim.lamb.KernelLamb` (what the engine uses for ``LAMB`` on GPUs)
+runs :func:`fused_lamb_step` and falls back to :func:`lamb_reference` where the kernel cannot
+run, and the kernel's tests hold it to :func:`lamb_reference`. They live here because
+``kernels`` imports nothing of the runtime. The bias correction scales the step size, not the
+moments, so the trust ratio is measured on the uncorrected update
+``u = m / (sqrt(v) + eps) + wd p``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 
 import torch
 
-from . import loader
-from .adam import CHUNK, MAX_BLOCKS, THREADS, _check, moment_columns, tensor_table
-from .bench import BenchCase
+from deepshard.kernels import loader
+from deepshard.kernels.adam import CHUNK, MAX_BLOCKS, THREADS, _check, tensor_table
+from deepshard.kernels.bench import BenchCase
 
 CLIP_EPS = 1e-6  # added to the gradient norm before comparing it with max_grad_norm
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # updated in fp32, with fp32 moments
@@ -141,11 +142,11 @@ def fused_lamb_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     fp32. ``grad_divisor`` may be a one-element device tensor (clipping without a sync)."""
     if not params:
         return
-    kw = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
-              max_coeff=max_coeff, min_coeff=min_coeff, grad_divisor=grad_divisor)
     if not loader.cuda_ready(*params, *grads, *exp_avgs, *exp_avg_sqs):
-        lamb_reference(params, grads, exp_avgs, exp_avg_sqs, **kw)
+        lamb_reference(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
+                       beta2=beta2, eps=eps, weight_decay=weight_decay,
+                       bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
+                       max_coeff=max_coeff, min_coeff=min_coeff, grad_divisor=grad_divisor)
         return
     import numpy as np
 
@@ -180,53 +181,7 @@ def fused_lamb_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                    f(step_size(lr, beta1, beta2, step, bias_correction))))
 
 
-class FusedLamb(torch.optim.Optimizer):
-    """DeepSpeed's ``FusedLamb``: the update of :func:`lamb_reference`, per param group.
-
-    Arguments and state (``step`` int, fp32 ``exp_avg`` and ``exp_avg_sq``) are those of
-    :class:`deepshard.runtime.optim.lamb.Lamb`, so checkpoints move between the two. With
-    ``max_grad_norm > 0`` each group's gradients are clipped to it as one vector; the
-    divisor stays on the device. One launch sequence per (device, dtype, step) bucket.
-    """
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
-                 amsgrad: bool = False) -> None:
-        defaults = check_hyperparameters(lr, bias_correction, betas, eps, eps_inside_sqrt,
-                                         weight_decay, max_grad_norm, max_coeff, min_coeff,
-                                         amsgrad)
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Apply one LAMB update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("LAMB does not support sparse gradients")
-            divisor = _device_clip_divisor([p.grad for p in params], group["max_grad_norm"])
-            beta1, beta2 = group["betas"]
-            for (device, _, step), (ps, gs, ms, vs) in moment_columns(self.state,
-                                                                      params).items():
-                fused_lamb_step(ps, gs, ms, vs, step=step, lr=group["lr"], beta1=beta1,
-                                beta2=beta2, eps=group["eps"],
-                                weight_decay=group["weight_decay"],
-                                bias_correction=group["bias_correction"],
-                                eps_inside_sqrt=group["eps_inside_sqrt"],
-                                max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
-                                grad_divisor=divisor.to(device))
-        return loss
-
-
-def _device_clip_divisor(grads: list[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
+def device_clip_divisor(grads: Sequence[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
     """:func:`clip_divisor` kept on the device: a 0-dim fp32 tensor on the first gradient's
     device (1 when clipping is off), with no host sync; the sum and root are fp32."""
     device = grads[0].device

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepshard.kernels.adam import FusedAdam, adam_reference, fused_adam_step
+from deepshard.kernels.adam import adam_reference, fused_adam_step
+from deepshard.runtime.optim.adam import KernelAdam
 from tests.kernels.support import needs_gpu, ptx_entries
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8)
@@ -76,12 +77,12 @@ def test_reference_low_precision_params_follow_fp32_master(dtype, decoupled):
         torch.testing.assert_close(p.float(), m, rtol=tol, atol=tol)
 
 
-def test_fused_adam_on_cpu_matches_torch_adamw():
+def test_kernel_adam_on_cpu_matches_torch_adamw():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     twin = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     twin.load_state_dict(model.state_dict())
-    ours = FusedAdam(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.05)
+    ours = KernelAdam(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.05)
     theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.8, 0.95),
                                weight_decay=0.05, foreach=False)
     x, y = torch.randn(16, 5), torch.randn(16, 3)
@@ -96,9 +97,9 @@ def test_fused_adam_on_cpu_matches_torch_adamw():
     assert state["step"] == 4 and state["exp_avg"].dtype == torch.float32
 
 
-def test_fused_adam_refuses_amsgrad():
+def test_kernel_adam_refuses_amsgrad():
     with pytest.raises(ValueError, match="amsgrad"):
-        FusedAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+        KernelAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -1,4 +1,4 @@
-"""Fused LAMB: the runtime's Lamb is the reference (one oracle), FusedLamb against it, nvcc
+"""Fused LAMB: the runtime's Lamb is the reference (one oracle), KernelLamb against it, nvcc
 compiles the kernels, and (on a GPU with CuPy) the kernels against the reference."""
 
 from __future__ import annotations
@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from deepshard.kernels.lamb import (
-    FusedLamb,
-    _device_clip_divisor,
     clip_divisor,
+    device_clip_divisor,
     fused_lamb_step,
     lamb_reference,
 )
-from deepshard.runtime.optim.lamb import Lamb
+from deepshard.runtime.optim.lamb import KernelLamb, Lamb
 from tests.kernels.support import needs_gpu, ptx_entries
 
 SIZES = (1, 7, 300, 4097)
@@ -38,7 +37,7 @@ def _run_pair(hp, dtype=torch.float32, steps=4):
     start.append(torch.zeros(5, dtype=dtype))  # ||p|| = 0 at step 1: ratio 1
     ours = [torch.nn.Parameter(p.clone()) for p in start]
     theirs = [torch.nn.Parameter(p.clone()) for p in start]
-    opts = FusedLamb(ours, **hp), Lamb(theirs, **hp)
+    opts = KernelLamb(ours, **hp), Lamb(theirs, **hp)
     for step in range(steps):
         grads = _tensors([p.numel() for p in start], 100 + step)
         for params, opt in zip((ours, theirs), opts, strict=True):
@@ -49,7 +48,7 @@ def _run_pair(hp, dtype=torch.float32, steps=4):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_lamb_on_cpu_matches_runtime_lamb(case):
+def test_kernel_lamb_on_cpu_matches_runtime_lamb(case):
     start, ours, theirs, opt = _run_pair(CASES[case])
     for a, b, s in zip(ours, theirs, start, strict=True):
         assert not torch.equal(a, s)
@@ -93,9 +92,9 @@ def test_runtime_lamb_steps_exactly_as_the_reference(dtype):
 
 def test_device_clip_divisor_is_the_reference_divisor():
     grads = _tensors(SIZES, 3)
-    assert clip_divisor(grads, 0.0) == float(_device_clip_divisor(grads, 0.0)) == 1.0
-    assert clip_divisor(grads, 1e9) == float(_device_clip_divisor(grads, 1e9)) == 1.0
-    ours = float(_device_clip_divisor(grads, 0.5))
+    assert clip_divisor(grads, 0.0) == float(device_clip_divisor(grads, 0.0)) == 1.0
+    assert clip_divisor(grads, 1e9) == float(device_clip_divisor(grads, 1e9)) == 1.0
+    ours = float(device_clip_divisor(grads, 0.5))
     assert ours > 1 and ours == pytest.approx(clip_divisor(grads, 0.5), rel=1e-6)
 
 
@@ -111,25 +110,25 @@ def test_reference_trust_ratio_by_hand():
     torch.testing.assert_close(m, torch.tensor([-0.4]))
 
 
-def test_build_optimizer_picks_fused_lamb_where_the_kernel_runs(monkeypatch):
+def test_build_optimizer_picks_kernel_lamb_where_the_kernel_runs(monkeypatch):
     from deepshard.runtime.optim import build as build_module
 
     model = torch.nn.Linear(4, 3)
     params = {"lr": 0.02, "weight_decay": 0.01, "max_grad_norm": 1.0, "betas": [0.8, 0.9]}
     assert type(build_module.build_optimizer("LAMB", params, model.parameters())) is Lamb
-    # As on a GPU with CuPy; the CPU tensors then take FusedLamb's reference path.
+    # As on a GPU with CuPy; the CPU tensors then take KernelLamb's reference path.
     monkeypatch.setattr(build_module, "_lamb_kernel_usable", lambda groups: True)
     opt = build_module.build_optimizer("LAMB", params, model.parameters())
-    assert type(opt) is FusedLamb
+    assert type(opt) is KernelLamb
     assert opt.defaults["max_grad_norm"] == 1.0 and opt.defaults["betas"] == (0.8, 0.9)
 
 
-def test_fused_lamb_refuses_amsgrad_and_bad_coeffs():
+def test_kernel_lamb_refuses_amsgrad_and_bad_coeffs():
     params = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="amsgrad"):
-        FusedLamb(params, amsgrad=True)
+        KernelLamb(params, amsgrad=True)
     with pytest.raises(ValueError, match="min_coeff"):
-        FusedLamb(params, min_coeff=2.0, max_coeff=1.0)
+        KernelLamb(params, min_coeff=2.0, max_coeff=1.0)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -157,7 +156,7 @@ def test_kernel_matches_reference_on_gpu(dtype, case):
     ref_params = [p.clone() for p in params]
     state = [[torch.zeros(p.numel(), device="cuda") for p in params] for _ in range(2)]
     ref_state = [[t.clone() for t in col] for col in state]
-    divisor = torch.tensor(1.7, device="cuda")  # as FusedLamb passes a clipping divisor
+    divisor = torch.tensor(1.7, device="cuda")  # as KernelLamb passes a clipping divisor
     for step in (1, 2, 3):
         grads = [torch.randn(p.numel(), device="cuda", generator=gen).to(dtype) for p in params]
         fused_lamb_step(params, grads, state[0], state[1], step=step, grad_divisor=divisor, **kw)

@@ -1,8 +1,7 @@
 """``deepspeed.ops.adam``: ``FusedAdam`` and ``DeepSpeedCPUAdam``, both torch's fused Adam
-kernels under DeepSpeed's constructors (:mod:`.torch_adam`). DeepSpeed's ``ZenFlow*`` Adams
-have no equivalent here."""
+kernels under DeepSpeed's constructors (:mod:`deepshard.runtime.optim.adam`). DeepSpeed's
+``ZenFlow*`` Adams have no equivalent here."""
 
-from .cpu_adam import DeepSpeedCPUAdam
-from .fused_adam import FusedAdam
+from deepshard.runtime.optim.adam import DeepSpeedCPUAdam, FusedAdam
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

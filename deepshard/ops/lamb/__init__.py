@@ -1,5 +1,5 @@
-"""``deepspeed.ops.lamb``: ``FusedLamb`` (:mod:`.fused_lamb`)."""
+"""``deepspeed.ops.lamb``: ``FusedLamb`` (:class:`deepshard.runtime.optim.lamb.FusedLamb`)."""
 
-from .fused_lamb import FusedLamb
+from deepshard.runtime.optim.lamb import FusedLamb
 
 __all__ = ["FusedLamb"]

@@ -3,20 +3,20 @@
 DeepSpeed maps ``Adam``/``AdamW`` onto its own ``FusedAdam`` and ``LAMB`` onto ``FusedLamb``.
 Here ``Adam``/``AdamW`` become torch's AdamW or Adam (fused kernels where torch has them: on CPU
 the fused AdamW is several times faster than the foreach one), ``SGD`` torch's SGD, and
-``LAMB`` our CUDA :class:`~deepshard.kernels.lamb.FusedLamb` when every parameter is on a GPU
-and CuPy is installed, else our :class:`~deepshard.runtime.optim.lamb.Lamb` (same update).
+``LAMB`` our CUDA :class:`~deepshard.runtime.optim.lamb.KernelLamb` when every parameter is on
+a GPU and CuPy is installed, else our :class:`~deepshard.runtime.optim.lamb.Lamb` (same update).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ...errors import UsageError
-from .lamb import Lamb
+from deepshard.errors import UsageError
+from deepshard.runtime.optim.lamb import KernelLamb, Lamb
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -130,7 +130,7 @@ def _fusable(groups: list[Any]) -> bool:
 
 
 def _lamb_kernel_usable(groups: list[Any]) -> bool:
-    """Whether :class:`~deepshard.kernels.lamb.FusedLamb` takes every parameter: dense,
+    """Whether :class:`~deepshard.runtime.optim.lamb.KernelLamb` takes every parameter: dense,
     contiguous fp32/fp16/bf16 tensors on CUDA, with CuPy importable."""
     tensors = _all_tensors(groups)
     if not tensors or not all(
@@ -200,15 +200,13 @@ def _lamb(type_name: str, params: Mapping[str, object], groups: list[Any]) -> to
         )
     del s["amsgrad"]
     s["betas"] = tuple(s["betas"])
-    # Adam/AdamW stay on torch's fused kernel: it is the bar deepshard.kernels.adam.FusedAdam
-    # must beat and nobody has measured that yet (a user may pass FusedAdam as a client
+    # Adam/AdamW stay on torch's fused kernel: it is the bar .adam.KernelAdam (our kernel)
+    # must beat and nobody has measured that yet (a user may pass KernelAdam as a client
     # optimizer). torch has no LAMB, and the foreach Lamb makes a dozen passes over memory
     # where the kernel makes two (not yet timed), so on GPUs LAMB takes our kernel; both
     # compute the same update (tests/kernels/test_lamb.py).
     if _lamb_kernel_usable(groups):
-        from ...kernels.lamb import FusedLamb
-
-        return FusedLamb(groups, **s)
+        return KernelLamb(groups, **s)
     return Lamb(groups, **s)
 
 
@@ -218,7 +216,7 @@ def _onebit(type_name: str, params: Mapping[str, object], groups: list[Any],
     their constructors' keyword arguments (the schema filled DeepSpeed's defaults)."""
     module_name, class_name = _ONEBIT[type_name]
     module = importlib.import_module(f"{__package__}.onebit.{module_name}")
-    s = {k: (tuple(v) if k == "betas" else v) for k, v in params.items()}
+    s = {k: (tuple(cast(Iterable[float], v)) if k == "betas" else v) for k, v in params.items()}
     return getattr(module, class_name)(groups, **s, group=group)
 
 

@@ -10,9 +10,10 @@ all-reduce (:mod:`deepshard.runtime.strategy.compressed`; ZeRO stage 1 for 1-bit
 ``state`` (``error_state`` / ``load_error_state``) and go into its own checkpoint file.
 """
 
-from .adam import OneBitAdam
-from .compressed import CompressedAllreduce
-from .lamb import OneBitLamb
-from .zoadam import ZeroOneAdam
+from deepshard.runtime.optim.onebit.adam import OneBitAdam, OnebitAdam
+from deepshard.runtime.optim.onebit.compressed import CompressedAllreduce
+from deepshard.runtime.optim.onebit.lamb import OneBitLamb, OnebitLamb
+from deepshard.runtime.optim.onebit.zoadam import ZeroOneAdam
 
-__all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "ZeroOneAdam"]
+__all__ = ["CompressedAllreduce", "OneBitAdam", "OneBitLamb", "OnebitAdam", "OnebitLamb",
+           "ZeroOneAdam"]

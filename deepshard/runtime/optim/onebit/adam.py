@@ -10,20 +10,22 @@ before each step whether to all-reduce the gradients itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-import deepshard.comm as comm
+from deepshard.comm.process_group import is_initialized
+from deepshard.runtime.optim.base import StepOptimizer
+from deepshard.runtime.optim.onebit.compressed import CompressedAllreduce
+from deepshard.runtime.optim.onebit.flat import keep_current_masks
 
-from .compressed import CompressedAllreduce
-from .flat import keep_current_masks
+__all__ = ["OneBitAdam", "OnebitAdam"]
 
 _BACKENDS = ("nccl", "mpi", "hccl", "compressed", "gloo")
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(StepOptimizer):
     """1-bit Adam, with the update of DeepSpeed's ``OnebitAdam``.
 
     For each parameter ``p`` with gradient ``g`` at step ``t`` (counted from 1):
@@ -115,8 +117,10 @@ class OneBitAdam(torch.optim.Optimizer):
         self._errors = None
         if not errors or not self._build_flat():
             return
+        flat = self._flat
+        assert flat is not None  # _build_flat() made it
         worker, server = errors.get("worker_error"), errors.get("server_error")
-        fresh = self._reducer().new_errors(self._flat.numel(), self._flat.device)
+        fresh = self._reducer().new_errors(flat.numel(), flat.device)
         if worker is None or server is None or worker.shape != fresh[0].shape \
                 or server.shape != fresh[1].shape:
             return
@@ -137,13 +141,8 @@ class OneBitAdam(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def _take_step(self) -> None:
         """One step (class docstring); communicates when :meth:`communicates_next_step`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         compressed = self.communicates_next_step()
         self._build_flat()
         self._update_moments(compressed)
@@ -155,7 +154,6 @@ class OneBitAdam(torch.optim.Optimizer):
                 self.state[p]["step"] += 1
                 if p.grad is not None:
                     self.update_parameter(p, group, frozen=compressed)
-        return loss
 
     def update_parameter(self, p: torch.Tensor, group: dict[str, Any], frozen: bool) -> None:
         """``p -= lr * (exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p)`` from
@@ -223,7 +221,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def _reducer(self) -> CompressedAllreduce:
         if self._allreduce is None:
-            if not comm.is_initialized():
+            if not is_initialized():
                 raise ValueError("1-bit Adam needs the process group: call "
                                  "deepshard.init_distributed() before its first step")
             self._allreduce = CompressedAllreduce(self.group)
@@ -259,6 +257,10 @@ class OneBitAdam(torch.optim.Optimizer):
                                    else sq.to(device=device, dtype=torch.float32).clone())
         self._flat = flat
         return True
+
+
+OnebitAdam = OneBitAdam
+"""DeepSpeed's spelling (``deepspeed.runtime.fp16.onebit.adam.OnebitAdam``)."""
 
 
 def _apply_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any],

@@ -28,10 +28,12 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-import deepshard.comm as comm
+from deepshard.comm.collectives import all_gather_into_tensor, all_to_all_single
+from deepshard.comm.process_group import get_rank, get_world_size
 
 _SCALE_BYTES = 4
 _GATHER = 0x0102040810204080
@@ -153,10 +155,10 @@ class CompressedAllreduce:
         bytes_sent: the running total of ``last_bytes_sent``.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group: Any = None) -> None:
         self.group = group
-        self.world = comm.get_world_size(group)
-        self.rank = comm.get_rank(group)
+        self.world = get_world_size(group)
+        self.rank = get_rank(group)
         self.last_bytes_sent = 0
         self.bytes_sent = 0
 
@@ -183,12 +185,12 @@ class CompressedAllreduce:
             return
         wire = _worker_phase(buffer, worker_error, self.world)
         received = torch.empty_like(wire)
-        comm.all_to_all_single(received, wire, group=self.group,
-                               log_name="compressed_allreduce_all_to_all")
+        all_to_all_single(received, wire, group=self.group,
+                          log_name="compressed_allreduce_all_to_all")
         server_wire = _server_phase(received, server_error)
         gathered = torch.empty_like(wire)
-        comm.all_gather_into_tensor(gathered.view(-1), server_wire.view(-1), group=self.group,
-                                    log_name="compressed_allreduce_all_gather")
+        all_gather_into_tensor(gathered.view(-1), server_wire.view(-1), group=self.group,
+                               log_name="compressed_allreduce_all_gather")
         decompress_rows(gathered, out=buffer)
         self.last_bytes_sent = 2 * (self.world - 1) * wire.shape[1]
         self.bytes_sent += self.last_bytes_sent

@@ -124,7 +124,7 @@ def restore_errors(local: dict[str, torch.Tensor], errors: dict[str, torch.Tenso
     ok = errors is not None and set(errors) == set(local) and all(
         errors[k].shape == v.shape for k, v in local.items())
     for key, buffer in local.items():
-        if ok:
+        if ok and errors is not None:
             buffer.copy_(errors[key])
         else:
             buffer.zero_()

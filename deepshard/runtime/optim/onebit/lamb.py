@@ -9,13 +9,14 @@ outside ``self.state``. The flat layout is :class:`~.flat.FlatParams`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .flat import (
+from deepshard.runtime.optim.base import StepOptimizer
+from deepshard.runtime.optim.onebit.flat import (
     DEEPSPEED_INIT_STEPS,
     FlatParams,
     apply_masks,
@@ -23,6 +24,8 @@ from .flat import (
     keep_current_masks,
     restore_errors,
 )
+
+__all__ = ["OneBitLamb", "OnebitLamb", "norm", "trust_ratio"]
 
 
 def norm(x: torch.Tensor) -> float:
@@ -39,7 +42,7 @@ def trust_ratio(weight_norm: float, update_norm: float, max_coeff: float,
     return min(max(weight_norm / update_norm, min_coeff), max_coeff)
 
 
-class OneBitLamb(torch.optim.Optimizer):
+class OneBitLamb(StepOptimizer):
     """1-bit LAMB as DeepSpeed's ``OnebitLamb`` computes it, on a torch.distributed group.
 
     With ``t = step + 1`` (DeepSpeed's counter, see
@@ -144,7 +147,8 @@ class OneBitLamb(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.state and "step" in self.state[p]:
-                    return self.state[p]["step"]
+                    step: int = self.state[p]["step"]
+                    return step
         return 0
 
     def communicates_next_step(self) -> bool:
@@ -168,10 +172,11 @@ class OneBitLamb(torch.optim.Optimizer):
 
     # ---- state ----
 
-    def _ensure_built(self) -> None:
+    def _ensure_built(self) -> FlatParams:
+        """The flat layout, built (with the buffers and errors) on first use."""
         if self._flat is not None:
-            return
-        from .compressed import CompressedAllreduce
+            return self._flat
+        from deepshard.runtime.optim.onebit.compressed import CompressedAllreduce
 
         self._comm = CompressedAllreduce(group=self.group)
         self._world = dist.get_world_size(self.group)
@@ -189,6 +194,13 @@ class OneBitLamb(torch.optim.Optimizer):
         worker, server = self._comm.new_errors(flat.padded, flat.device)
         self._local = {"worker_error": worker, "server_error": server}
         self._flat = flat
+        return flat
+
+    @property
+    def _layout(self) -> FlatParams:
+        """The flat layout of a built optimizer (every step builds it first)."""
+        assert self._flat is not None, "_ensure_built() first"
+        return self._flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load shared state (the script's ``exp_avg_mask`` wins over the checkpoint's, as in
@@ -200,15 +212,9 @@ class OneBitLamb(torch.optim.Optimizer):
 
     # ---- the step ----
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One 1-bit LAMB update (see the class docstring); returns ``closure()`` if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._ensure_built()
-        flat = self._flat
+    def _take_step(self) -> None:
+        """One 1-bit LAMB update (see the class docstring)."""
+        flat = self._ensure_built()
         k = self._done() + 1
         grads = flat.gather_grads(self._buffer)
         self.lamb_coeffs = []
@@ -219,10 +225,9 @@ class OneBitLamb(torch.optim.Optimizer):
             self._compression(grads)
         for _, p, _ in flat.entries:
             self.state[p]["step"] = k
-        return loss
 
     def _warmup(self, grads: torch.Tensor, last: bool) -> None:
-        flat = self._flat
+        flat = self._layout
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             g = flat.group_slice(grads, index)
@@ -246,7 +251,7 @@ class OneBitLamb(torch.optim.Optimizer):
     def _scaling_coeffs(self) -> list[float]:
         """Each momentum's ``scaling_coeff``, computed once at the first compressed step from
         the warm-up's momenta: the mean RMS over all momenta divided by this one's."""
-        flat = self._flat
+        flat = self._layout
         states = [self.state[p] for _, p, _ in flat.entries]
         if "scaling_coeff" not in states[0]:
             scales = [float(torch.linalg.vector_norm(flat.view(self._m, i)))
@@ -258,7 +263,7 @@ class OneBitLamb(torch.optim.Optimizer):
         return [state["scaling_coeff"] for state in states]
 
     def _compression(self, grads: torch.Tensor) -> None:
-        flat = self._flat
+        flat = self._layout
         coeffs = self._scaling_coeffs()
         m_old = self._m.clone()
         for index, group in enumerate(self.param_groups):
@@ -280,7 +285,7 @@ class OneBitLamb(torch.optim.Optimizer):
 
     def _compressed_update(self, i: int, m_old: torch.Tensor) -> None:
         """The frozen-variance LAMB update of entry ``i`` once its momentum is averaged."""
-        flat = self._flat
+        flat = self._layout
         index, p, _ = flat.entries[i]
         group, state = self.param_groups[index], self.state[p]
         beta1, beta2 = group["betas"]
@@ -303,3 +308,7 @@ class OneBitLamb(torch.optim.Optimizer):
         coeff = state["lamb_coeff_freeze"] * factor
         self.lamb_coeffs.append(coeff)
         p.add_((update * (-group["lr"] * coeff)).to(p.dtype))
+
+
+OnebitLamb = OneBitLamb
+"""DeepSpeed's spelling (``deepspeed.runtime.fp16.onebit.lamb.OnebitLamb``)."""

@@ -10,14 +10,15 @@ variance-update steps (DeepSpeed toggled the engine's), and per-rank buffers liv
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .flat import (
+from deepshard.runtime.optim.base import StepOptimizer
+from deepshard.runtime.optim.onebit.flat import (
     DEEPSPEED_INIT_STEPS,
     FlatParams,
     apply_masks,
@@ -74,7 +75,7 @@ class ZeroOneSchedule:
                     local_step_counter=self.local_step_counter)
 
 
-class ZeroOneAdam(torch.optim.Optimizer):
+class ZeroOneAdam(StepOptimizer):
     """0/1 Adam as DeepSpeed's ``ZeroOneAdam`` computes it, on a torch.distributed group.
 
     With ``t = step + 1`` (DeepSpeed's counter, see :data:`DEEPSPEED_INIT_STEPS`), ``g`` this
@@ -193,10 +194,11 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
     # ---- state ----
 
-    def _ensure_built(self) -> None:
+    def _ensure_built(self) -> FlatParams:
+        """The flat layout, built (with the buffers and errors) on first use."""
         if self._flat is not None:
-            return
-        from .compressed import CompressedAllreduce
+            return self._flat
+        from deepshard.runtime.optim.onebit.compressed import CompressedAllreduce
 
         self._comm = CompressedAllreduce(group=self.group)
         self._world = dist.get_world_size(self.group)
@@ -217,9 +219,17 @@ class ZeroOneAdam(torch.optim.Optimizer):
                              "lrs": torch.zeros(len(self.param_groups), dtype=torch.float64)}
         self._frozen_denom: torch.Tensor | None = None
         self._flat = flat
+        return flat
+
+    @property
+    def _layout(self) -> FlatParams:
+        """The flat layout of a built optimizer (every step builds it first)."""
+        assert self._flat is not None, "_ensure_built() first"
+        return self._flat
 
     def _first_state(self) -> dict[str, Any]:
-        return self.state[self._flat.entries[0][1]]
+        state: dict[str, Any] = self.state[self._layout.entries[0][1]]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load shared state (the script's ``exp_avg_mask`` wins over the checkpoint's, as in
@@ -239,15 +249,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
         initialization step)."""
         return k > max(self.var_freeze_step, DEEPSPEED_INIT_STEPS)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One 0/1 Adam update (see the class docstring); returns ``closure()`` if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._ensure_built()
-        flat, first = self._flat, self._first_state()
+    def _take_step(self) -> None:
+        """One 0/1 Adam update (see the class docstring)."""
+        flat, first = self._ensure_built(), self._first_state()
         k = first["step"] + 1
         t = k + DEEPSPEED_INIT_STEPS
         schedule = ZeroOneSchedule(**{key: first[key] for key in ZeroOneSchedule().as_dict()})
@@ -265,7 +269,6 @@ class ZeroOneAdam(torch.optim.Optimizer):
         schedule.advance(t, frozen, self)
         for _, p, _ in flat.entries:
             self.state[p].update(step=k, **schedule.as_dict())
-        return loss
 
     def _compressed(self, buffer: torch.Tensor) -> None:
         """``buffer`` becomes the compressed average over ranks (nothing on one rank)."""
@@ -274,7 +277,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             self.last_bytes_sent += self._comm.last_bytes_sent
 
     def _variance_phase(self, grads: torch.Tensor, variance_step: bool) -> None:
-        flat = self._flat
+        flat = self._layout
         if variance_step:
             if self._world > 1:
                 used = grads[:flat.numel]
@@ -295,9 +298,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
     def _denominators(self) -> torch.Tensor:
         """``sqrt(v) + eps``, flat, with each group's eps (padding: 1)."""
         denom = self._v.sqrt()
-        denom[self._flat.numel:] = 1.0
+        denom[self._layout.numel:] = 1.0
         for index, group in enumerate(self.param_groups):
-            self._flat.group_slice(denom, index).add_(group["eps"])
+            self._layout.group_slice(denom, index).add_(group["eps"])
         return denom
 
     def _frozen_denominators(self) -> torch.Tensor:
@@ -311,7 +314,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                        denom: torch.Tensor | None = None) -> None:
         """``p -= lr * upd`` for every parameter (and ``u -= lr * upd`` into
         ``accumulator``), ``upd = m / (sqrt(v) + eps) + weight_decay * p``."""
-        flat = self._flat
+        flat = self._layout
         update = self._m / (self._denominators() if denom is None else denom)
         for i, (index, p, _) in enumerate(flat.entries):
             group = self.param_groups[index]
@@ -324,7 +327,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             accumulator[:flat.numel].add_(update[:flat.numel])
 
     def _frozen_phase(self, grads: torch.Tensor, sync: bool) -> None:
-        flat, u, lrs = self._flat, self._accumulated["u"], self._accumulated["lrs"]
+        flat, u, lrs = self._layout, self._accumulated["u"], self._accumulated["lrs"]
         for index, group in enumerate(self.param_groups):
             beta1 = group["betas"][0]
             m = flat.group_slice(self._m, index)
