@@ -120,9 +120,11 @@ def build(impl: str, ep_size: int, drop_tokens: bool):
         initialize = deepspeed.initialize
     else:
         import deepshard
-        from deepshard.moe.groups import configure
         from deepshard.moe.layer import MoE
-        from deepshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        from deepshard.runtime.parallel.expert_groups import configure
+        from deepshard.runtime.parallel.expert_params import (
+            split_params_into_different_moe_groups_for_optimizer,
+        )
         deepshard.init_distributed()
         initialize = deepshard.initialize
     torch.manual_seed(0)

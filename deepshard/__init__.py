@@ -15,30 +15,29 @@ __version__ = "0.1.0"
 _LAZY = {
     "heartbeat": "deepshard.liveness",
     "report": "deepshard.liveness",
-    "init_distributed": "deepshard.runtime.distributed",
-    "DistEnv": "deepshard.runtime.distributed",
+    "init_distributed": "deepshard.comm.distributed",
+    "DistEnv": "deepshard.comm.distributed",
     "initialize": "deepshard.runtime.api",
     "add_config_arguments": "deepshard.runtime.api",
     "DeepShardEngine": "deepshard.runtime.engine",
     "PipelineEngine": "deepshard.runtime.parallel.pipe_engine",
     "PipelineModule": "deepshard.runtime.parallel.pipe_module",
+    "LayerSpec": "deepshard.runtime.parallel.pipe_module",
+    "TiedLayerSpec": "deepshard.runtime.parallel.pipe_module",
     "get_accelerator": "deepshard.accelerator",
-    "log_dist": "deepshard.utils",
-    "logger": "deepshard.utils",
+    "log_dist": "deepshard.runtime.logs",
+    "logger": "deepshard.runtime.logs",
     "get_fp32_state_dict": "deepshard.runtime.checkpoint.consolidate",
 }
 # DeepSpeed's spellings of the same things
 _ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict",
             "DeepSpeedEngine": "DeepShardEngine"}
-# submodules offered as attributes, like ``deepspeed.checkpointing`` and ``deepspeed.comm``
+# submodules offered as attributes, like ``deepspeed.checkpointing`` and ``deepspeed.comm``;
+# DeepSpeed's other paths (``deepspeed.pipe``, ``deepspeed.utils``) are deepshard.compat.paths rows
 _MODULES = {"checkpointing": "deepshard.runtime.activation_checkpointing",
             "zero": "deepshard.runtime.zero",
             "comm": "deepshard.comm",
             "accelerator": "deepshard.accelerator",
-            "ops": "deepshard.ops",
-            "pipe": "deepshard.pipe",
-            "utils": "deepshard.utils",
-            "profiling": "deepshard.profiling",
             "runtime": "deepshard.runtime"}
 
 __all__ = ["__version__", *_LAZY, *_ALIASES, *_MODULES]

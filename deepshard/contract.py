@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 
 # --- the environment contract every worker receives ---------------------------------------
 RANK = "RANK"
@@ -45,6 +46,18 @@ relaunches, so the runtime keeps ``train_batch_size`` and the micro batch and de
 ``gradient_accumulation_steps`` from the world size."""
 HEARTBEAT_FILE = "DEEPSHARD_HEARTBEAT_FILE"
 """Where :func:`deepshard.heartbeat` marks this worker alive (set by the agent)."""
+
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compat", "shim")
+"""The directory ``ds-run --deepspeed_compat`` puts first on the workers' ``PYTHONPATH``: it
+holds the ``deepspeed`` package of :mod:`deepshard.compat` (found by path, never imported by
+the launcher, which may only read this leaf)."""
+
+
+def prepend_to_path(shim_dir: str, pythonpath: str | None) -> str:
+    """``PYTHONPATH`` with ``shim_dir`` first (once), the existing entries kept after it."""
+    rest = [p for p in (pythonpath or "").split(os.pathsep) if p and p != shim_dir]
+    return os.pathsep.join([shim_dir, *rest])
+
 
 # --- agent events ---------------------------------------------------------------------------
 EV_STARTED = "started"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import UsageError
+from deepshard.errors import UsageError
 
 _RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?\Z")
 

@@ -25,7 +25,7 @@ import struct
 import sys
 import time
 
-from . import contract
+from deepshard import contract
 
 RECORD = struct.Struct("<qqqqd")
 """(monotonic ns of the last beat, step or -1, pid of the beating process, 1 when a loss

@@ -42,7 +42,7 @@ from gpt_pipe import pipe_gpt
 from loss_plot import require_matplotlib, write_loss_plot
 
 import deepshard
-from deepshard.runtime.config.dialect import read_config_source
+from deepshard.config.dialect import read_config_source
 from deepshard.runtime.parallel.topology import Topology
 
 

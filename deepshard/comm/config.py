@@ -1,5 +1,5 @@
 """The ``comms_logger`` section as ``deepshard.comm`` takes it: the config schema's
-:class:`~deepshard.runtime.config.schema_comm.CommsLoggerConfig`, and
+:class:`~deepshard.config.schema_comm.CommsLoggerConfig`, and
 :func:`parse_comms_logger` for a section a script passes itself, whose mistakes are
 one-line UsageErrors at ``comms_logger.<key>`` (an unknown key too: with no config file
 to warn about, it is an error here)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepshard.runtime.config.schema_base import KeyLog, unknown_key_error
-from deepshard.runtime.config.schema_comm import CommsLoggerConfig
+from deepshard.config.schema_base import KeyLog, unknown_key_error
+from deepshard.config.schema_comm import CommsLoggerConfig
 
 SECTION = "comms_logger"
 

@@ -1,6 +1,6 @@
 """Backend names and the default rendezvous port, as ``deepspeed.comm.constants`` has them."""
 
-from deepshard.runtime.distributed import DEFAULT_PORT as TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepshard.comm.distributed import DEFAULT_PORT as TORCH_DISTRIBUTED_DEFAULT_PORT
 
 NCCL_BACKEND = "nccl"
 GLOO_BACKEND = "gloo"

@@ -3,7 +3,7 @@
 There is no backend object of deepshard's own (DeepSpeed's ``cdb``): torch.distributed's
 default group is the state, so a script that initialised torch.distributed itself can use
 these functions too. :func:`init_distributed` delegates to
-:func:`deepshard.runtime.distributed.init_distributed` (the launcher contract, torchrun,
+:func:`deepshard.comm.distributed.init_distributed` (the launcher contract, torchrun,
 SLURM and MPI variables), with DeepSpeed's choices on top: the backend is the
 accelerator's (``get_accelerator().communication_backend_name()``), ``DEEPSPEED_TIMEOUT``
 (minutes) sets the collective timeout, and ``config`` configures the comms logger.
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from deepshard.comm.distributed import DEFAULT_PORT, DistEnv
 from deepshard.errors import UsageError
-from deepshard.runtime.distributed import DEFAULT_PORT, DistEnv
 
 TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
 
@@ -37,8 +37,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     this process sits (DeepSpeed returns ``None``).
     """
     from deepshard.accelerator import get_accelerator
+    from deepshard.comm.distributed import init_distributed as join
     from deepshard.comm.settings import configure
-    from deepshard.runtime.distributed import init_distributed as join
 
     if config is not None:
         configure(deepspeed_config=config)
@@ -127,11 +127,11 @@ def get_backend(group: Any = None) -> str:
 def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
     """A process group of ``ranks`` (every rank must call it). Keyword arguments go to
     ``torch.distributed.new_group`` (``timeout``, ``backend``...)."""
-    from deepshard.runtime import teardown
+    from deepshard.comm import teardown
 
     require_initialized("new_group")
     group = dist.new_group(list(ranks), **kwargs)
-    teardown.keep(group)  # never destructed mid-process: see deepshard.runtime.teardown
+    teardown.keep(group)  # never destructed mid-process: see deepshard.comm.teardown
     return group
 
 

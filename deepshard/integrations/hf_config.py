@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from deepshard.config.dialect import read_config_source
 from deepshard.errors import UsageError
-from deepshard.runtime.config.dialect import read_config_source
 
 OFFLOAD_DEVICES = frozenset({"cpu", "nvme"})
 

@@ -178,7 +178,7 @@ _WRAPPERS: dict[str, Callable[[_Registration, Any], Any]] = {
 
 def _ensure_distributed() -> None:
     if not dist.is_initialized():
-        from deepshard.runtime.distributed import init_distributed
+        from deepshard.comm.distributed import init_distributed
 
         init_distributed(verbose=False)
 

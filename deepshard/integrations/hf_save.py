@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
-from .hf_shards import SAFE_WEIGHTS, ShardPlan, index_json, plan_shards
+from deepshard.errors import UsageError
+from deepshard.integrations.hf_shards import SAFE_WEIGHTS, ShardPlan, index_json, plan_shards
 
 logger = logging.getLogger("deepshard")
 
@@ -110,7 +110,7 @@ def _gathered_experts(module: Any, rank: int, main: int) -> dict[str, torch.Tens
     (:func:`deepshard.moe.hf.shard_hf_moe`): the whole state dict under transformers'
     names on the main rank (a collective), so the files load into a plain model; else
     ``None``."""
-    from ..moe.hf import expert_parallel_layers, hf_state_dict
+    from deepshard.moe.hf import expert_parallel_layers, hf_state_dict
 
     if not expert_parallel_layers(module):
         return None
@@ -281,7 +281,7 @@ def _gather_values(tensors: Sequence[torch.Tensor], keep: set[int], gather: bool
                    ) -> dict[int, torch.Tensor]:
     """Gather ``tensors`` (with ``gather``, a collective: the same list on every rank) and
     return CPU copies of those whose ``id`` is in ``keep``, by ``id``."""
-    from ..runtime.zero.stage3 import GatheredParameters
+    from deepshard.runtime.zero.stage3 import GatheredParameters
 
     out: dict[int, torch.Tensor] = {}
     with torch.no_grad(), GatheredParameters(list(tensors), enabled=gather):

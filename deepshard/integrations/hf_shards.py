@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 SAFE_WEIGHTS = "model.safetensors"
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's

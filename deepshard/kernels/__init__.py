@@ -9,6 +9,6 @@ installed.
 
 from __future__ import annotations
 
-from .registry import REGISTRY, Op
+from deepshard.kernels.registry import REGISTRY, Op
 
 __all__ = ["REGISTRY", "Op"]

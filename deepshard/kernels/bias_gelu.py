@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import loader
-from .bench import BenchCase
+from deepshard.kernels import loader
+from deepshard.kernels.bench import BenchCase
 
 SOURCE = "bias_gelu.cu"
 _MAX_PARTS = 128

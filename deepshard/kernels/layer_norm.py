@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import loader
-from .bench import BenchCase
+from deepshard.kernels import loader
+from deepshard.kernels.bench import BenchCase
 
 SOURCE = "layer_norm.cu"
 _KERNELS = ("layer_norm_fwd", "layer_norm_bwd_dx", "layer_norm_bwd_params_partial",

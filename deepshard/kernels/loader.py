@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .registry import CUDA_DIR
+from deepshard.kernels.registry import CUDA_DIR
 
 
 def cuda_ready(*tensors: torch.Tensor) -> bool:

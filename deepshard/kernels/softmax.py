@@ -17,8 +17,8 @@ import math
 import numpy as np
 import torch
 
-from . import loader
-from .bench import BenchCase
+from deepshard.kernels import loader
+from deepshard.kernels.bench import BenchCase
 
 SOURCE = "softmax.cu"
 NAME_EXPRESSIONS = tuple(f"scaled_masked_softmax_{d}<{t}>" for d in ("fwd", "bwd")

@@ -38,9 +38,9 @@ import threading
 import time
 import types
 
-from .. import contract
-from ..liveness import FILE_SIZE, STACK_DUMP_SIGNAL, read_checkpoint, read_heartbeat
-from . import procs
+from deepshard import contract
+from deepshard.launcher import procs
+from deepshard.liveness import FILE_SIZE, STACK_DUMP_SIGNAL, read_checkpoint, read_heartbeat
 
 # Start-up cost matters here (one agent per host, all at once): no dataclasses, pathlib or
 # typing at run time. The plan is read as plain JSON (see read_node_plan).
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, BinaryIO
 
-    from .plan import NodePlan, WorkerPlan
+    from deepshard.launcher.plan import NodePlan, WorkerPlan
 
 _MAX_LINE = 1 << 16
 
@@ -309,7 +309,7 @@ class Agent:
         base = dict(os.environ)
         base.update(node.env)
         if node.deepspeed_compat:  # this node's own install: paths may differ between nodes
-            from .compat import SHIM_DIR, prepend_to_path
+            from deepshard.contract import SHIM_DIR, prepend_to_path
 
             base["PYTHONPATH"] = prepend_to_path(SHIM_DIR, base.get("PYTHONPATH"))
         cores = sorted(os.sched_getaffinity(0))

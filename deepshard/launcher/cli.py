@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .. import __version__
-from ..errors import EXIT_USAGE, UsageError
-from . import procs
-from .backends import (
+from deepshard import __version__
+from deepshard.errors import EXIT_USAGE, UsageError
+from deepshard.launcher import procs
+from deepshard.launcher.backends import (
     BACKENDS,
     Backend,
     LocalBackend,
@@ -28,13 +28,13 @@ from .backends import (
     get_backend,
     launcher_help,
 )
-from .coordinator import Coordinator
-from .env_file import home_dir, read_env_files
-from .hostfile import read_hostfile
-from .options import LaunchOptions
-from .placement import place, select
-from .plan import LaunchPlan, build_plan
-from .resources import (
+from deepshard.launcher.coordinator import Coordinator
+from deepshard.launcher.env_file import home_dir, read_env_files
+from deepshard.launcher.hostfile import read_hostfile
+from deepshard.launcher.options import LaunchOptions
+from deepshard.launcher.placement import place, select
+from deepshard.launcher.plan import LaunchPlan, build_plan
+from deepshard.launcher.resources import (
     Resources,
     gpu_ids,
     interface_addresses,
@@ -42,17 +42,17 @@ from .resources import (
     local_names,
     probe_local,
 )
-from .selectors import visible_devices_pool
-from .slurm_env import allocation_resources, expand_nodelist, in_allocation
-from .spawn import DEFAULT_HOSTFILE
-from .supervisor import Outcome, supervise
+from deepshard.launcher.selectors import visible_devices_pool
+from deepshard.launcher.slurm_env import allocation_resources, expand_nodelist, in_allocation
+from deepshard.launcher.spawn import DEFAULT_HOSTFILE
+from deepshard.launcher.supervisor import Outcome, supervise
 
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
 
-    from ..contract import AgentEvent
-    from .live import LiveView
+    from deepshard.contract import AgentEvent
+    from deepshard.launcher.live import LiveView
 
     Spawned = list[subprocess.Popen[bytes]]
 
@@ -145,7 +145,9 @@ def launch(options: LaunchOptions, spawned: Spawned | None = None) -> int:
     restarts_before = int(requeues) if requeues.isdigit() else 0
     first = make_plan(options, run_id=run_id, restart_count=restarts_before)
     if options.dry_run:
-        from .plan_render import render_plan  # rich costs ~70 ms: only for --dry_run
+        from deepshard.launcher.plan_render import (
+            render_plan,  # rich costs ~70 ms: only for --dry_run
+        )
 
         render_plan(first, sys.stdout, shown_commands(options, first))
         return 0
@@ -199,7 +201,7 @@ def launch_elastic(options: LaunchOptions, full: LaunchPlan, backend: Backend, l
                    run_id: str, restarts_before: int) -> int:
     """``--elastic_training``: :func:`.elastic.supervise_elastic` over this CLI's planning,
     attempts and the preflight probe."""
-    from .elastic import Attempt, Session, make_policy, supervise_elastic
+    from deepshard.launcher.elastic import Attempt, Session, make_policy, supervise_elastic
 
     def plan_for(hosts: tuple[str, ...], restart: int) -> LaunchPlan:
         return make_plan(options, run_id=run_id, restart_count=restarts_before + restart,
@@ -231,7 +233,7 @@ def probe_host(options: LaunchOptions, host: str, slots: int) -> str | None:
     if options.launcher == "slurm":
         import subprocess
 
-        from .backends.slurm import slurmd_addresses, slurmd_answers
+        from deepshard.launcher.backends.slurm import slurmd_addresses, slurmd_answers
 
         # a dead node's srun takes MessageTimeout (10 s) to fail: ask its slurmd first
         slurmd = slurmd_addresses([host]).get(host)
@@ -242,8 +244,8 @@ def probe_host(options: LaunchOptions, host: str, slots: int) -> str | None:
                                text=True, timeout=max(30.0, options.ssh_connect_timeout),
                                check=False)
         return None if probe.returncode == 0 else (probe.stderr.strip() or "srun failed")
-    from .report.preflight import preflight
-    from .resources import Host, Resources
+    from deepshard.launcher.report.preflight import preflight
+    from deepshard.launcher.resources import Host, Resources
 
     check = preflight(Resources((Host(host, tuple(range(slots))),), "elastic probe"),
                       cwd=os.getcwd(), master_port=0, ssh_port=options.ssh_port,
@@ -269,7 +271,7 @@ def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live
 
     if not live:
         return coordinate(None)
-    from .live import LiveView
+    from deepshard.launcher.live import LiveView
 
     title = f"run {plan.run_id}" + (f", restart {restart}" if restart else "")
     with LiveView(plan, sys.stdout, title) as view:
@@ -374,7 +376,7 @@ def rendezvous_address(first_host: str, locality: dict[str, bool],
         return first_host  # SLURM's node names resolve on its nodes; no ssh config applies
     if locality[first_host]:
         return socket.gethostname()
-    from .ssh_config import load_config_text, resolve_target
+    from deepshard.launcher.ssh_config import load_config_text, resolve_target
 
     return resolve_target(first_host, load_config_text(),
                           port_override=options.ssh_port, default_user="-").hostname

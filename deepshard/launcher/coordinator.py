@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from .. import contract
-from .backends.base import AgentHandle, Backend
-from .plan import LaunchPlan
+from deepshard import contract
+from deepshard.launcher.backends.base import AgentHandle, Backend
+from deepshard.launcher.plan import LaunchPlan
 
 if TYPE_CHECKING:
     import io
 
-    from .live import LiveView
+    from deepshard.launcher.live import LiveView
 
 TAIL_LINES = 20
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

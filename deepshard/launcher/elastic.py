@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from .. import contract
-from ..errors import UsageError
-from .backends.base import HostsUnreachable
-from .membership import (
+from deepshard import contract
+from deepshard.errors import UsageError
+from deepshard.launcher.backends.base import HostsUnreachable
+from deepshard.launcher.membership import (
     CheckpointComplete,
     Decision,
     Event,
@@ -41,13 +41,13 @@ from .membership import (
     begin,
     on_event,
 )
-from .supervisor import backoff
+from deepshard.launcher.supervisor import backoff
 
 if TYPE_CHECKING:
-    from .backends.base import Backend
-    from .coordinator import Coordinator
-    from .options import LaunchOptions
-    from .plan import LaunchPlan
+    from deepshard.launcher.backends.base import Backend
+    from deepshard.launcher.coordinator import Coordinator
+    from deepshard.launcher.options import LaunchOptions
+    from deepshard.launcher.plan import LaunchPlan
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
 
@@ -70,19 +70,19 @@ def config_facts(user_args: tuple[str, ...], most: int) -> tuple[frozenset[int] 
     if path is None:
         return None, False
     # pydantic-free reading of the user's dialect (comments, YAML); torch-free
-    from ..runtime.config.dialect import read_config_source
+    from deepshard.config.dialect import read_config_source
 
     data, origin = read_config_source(path)
     checkpoints = bool((data.get("checkpoint") or {}).get("resume_dir"))
     section = data.get("elasticity")
     if isinstance(section, dict) and section.get("enabled"):
-        from ..elasticity import allows, spec_from_mapping
+        from deepshard.elasticity import allows, spec_from_mapping
 
         spec = spec_from_mapping(section, where=f"{origin}: elasticity")
         return frozenset(w for w in range(1, most + 1) if allows(spec, w)), checkpoints
     tbs, micro = data.get("train_batch_size"), data.get("train_micro_batch_size_per_gpu")
     if isinstance(tbs, int) and isinstance(micro, int) and tbs > 0 and micro > 0:
-        from ..elasticity import fits_batch
+        from deepshard.elasticity import fits_batch
 
         return frozenset(w for w in range(1, most + 1) if fits_batch(tbs, micro, w)), \
             checkpoints

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import sys
 
-from .spawn import discard_agent, likely_local_run, spawn_agent
+from deepshard.launcher.spawn import discard_agent, likely_local_run, spawn_agent
 
 
 def main() -> None:
     args = sys.argv[1:]
     spawned = [spawn_agent()] if likely_local_run(args) else []
     try:
-        from .cli import run_cli  # after the spawn, on purpose
+        from deepshard.launcher.cli import run_cli  # after the spawn, on purpose
 
         code = run_cli(args, spawned)
     except KeyboardInterrupt:  # Ctrl-C before the coordinator took over signals

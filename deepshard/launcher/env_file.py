@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 DEFAULT_NAME = ".deepspeed_env"
 ENV_FILE_VAR = "DS_ENV_FILE"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import UsageError
-from .resources import Host, Resources
+from deepshard.errors import UsageError
+from deepshard.launcher.resources import Host, Resources
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9_.:\-]*\Z")
 _SLOTS = re.compile(r"slots=(.*)\Z")

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from ..contract import GpuStats, WorkerStats
-from .plan import LaunchPlan
+from deepshard.contract import GpuStats, WorkerStats
+from deepshard.launcher.plan import LaunchPlan
 
 if TYPE_CHECKING:
     from rich.table import Table

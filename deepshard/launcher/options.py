@@ -49,7 +49,7 @@ class LaunchOptions:
     bind_cores_to_rank: bool = False
     deepspeed_compat: bool = False
     """Workers import deepshard as ``deepspeed`` (their agent puts the shim of
-    :mod:`deepshard.launcher.compat` first on their ``PYTHONPATH``)."""
+    :mod:`deepshard.compat` first on their ``PYTHONPATH``)."""
     dry_run: bool = False
     elastic_training: bool = False
     """Keep training on the remaining hosts when one is lost or keeps failing, and grow

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from .resources import Host, Resources
-from .selectors import exclude, include, parse_selector
+from deepshard.errors import UsageError
+from deepshard.launcher.resources import Host, Resources
+from deepshard.launcher.selectors import exclude, include, parse_selector
 
 
 @dataclass(frozen=True)

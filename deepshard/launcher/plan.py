@@ -12,15 +12,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from .. import contract
+from deepshard import contract
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "CUDA_", "GLOO_", "TORCH_", "MLFLOW", "MV2_",
                    "OMP_", "HF_", "TRANSFORMERS_", "WANDB_")
 """Variables of ds-run's environment sent to remote nodes (local workers inherit all)."""
 
 if TYPE_CHECKING:  # the agent imports this module: keep its start-up lean
-    from .options import LaunchOptions
-    from .placement import Placement
+    from deepshard.launcher.options import LaunchOptions
+    from deepshard.launcher.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import re
 import shlex
 from typing import TextIO
 
-from .compat import SHIM_DIR
-from .plan import LaunchPlan
+from deepshard.contract import SHIM_DIR
+from deepshard.launcher.plan import LaunchPlan
 
 _SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 MASK = "****"
@@ -58,7 +58,7 @@ def render_plan(plan: LaunchPlan, stream: TextIO,
         for item in shown_env(node.env):
             console.print(f"  {item}", highlight=False, markup=False)
         if node.deepspeed_compat:
-            shim = SHIM_DIR if node.local else "<deepshard/launcher/compat/shim on that host>"
+            shim = SHIM_DIR if node.local else "<deepshard/compat/shim on that host>"
             console.print(f"  PYTHONPATH={shim}:<its PYTHONPATH> (--deepspeed_compat: "
                           "`import deepspeed` is deepshard; set by its agent)",
                           highlight=False, markup=False, soft_wrap=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "127.0.0.1", "::1"})
 

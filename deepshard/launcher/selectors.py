@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from .resources import Host, Resources, gpu_ids
+from deepshard.errors import UsageError
+from deepshard.launcher.resources import Host, Resources, gpu_ids
 
 _SLOT = re.compile(r"[0-9]+\Z")
 _HINT = "write it as host or host:0,1 joined by @, e.g. worker-0:0,2@worker-1"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..errors import UsageError
-from ..hostlist import expand_hostlist
-from .resources import Host, Resources
+from deepshard.errors import UsageError
+from deepshard.hostlist import expand_hostlist
+from deepshard.launcher.resources import Host, Resources
 
 
 def in_allocation(environ: Mapping[str, str]) -> bool:

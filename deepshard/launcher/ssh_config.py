@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 DEFAULT_PORT = 22
 POLICIES = {"yes": "yes", "ask": "yes", "accept-new": "accept-new", "no": "no", "off": "no"}

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.collectives import all_to_all_single
-from .gating import Routes
+from deepshard.comm.collectives import all_to_all_single
+from deepshard.moe.gating import Routes
 
 
 class _AllToAll(torch.autograd.Function):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ router's weights: the block's output is the unsharded block's.
 The local experts are one module each (``...experts.experts.{j}.gate_up_proj``: 2-D),
 marked as expert parameters (:mod:`.utils`), so the engine reduces their gradients over
 their expert-data-parallel group and its checkpoints name them by global expert id
-(``runtime/build/moe.py``). :func:`hf_state_dict` gathers them back into transformers'
+(``runtime/assembly/moe.py``). :func:`hf_state_dict` gathers them back into transformers'
 names and shapes; ``engine.save_pretrained`` (``integrations/hf_save.py``) writes the HF
 format with them (``from_pretrained`` loads it into a plain model).
 """
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageError
-from .dispatch import combine, dispatch, plan
-from .gating import Routes
-from .groups import check_sizes, configure, group_name
-from .sharded_moe import MOELayer
+from deepshard.errors import UsageError
+from deepshard.moe.dispatch import combine, dispatch, plan
+from deepshard.moe.gating import Routes
+from deepshard.moe.sharded_moe import MOELayer
+from deepshard.runtime.parallel.expert_groups import check_sizes, configure, group_name
 
 if TYPE_CHECKING:
-    from .groups import ExpertGroups
+    from deepshard.runtime.parallel.expert_groups import ExpertGroups
 
 FUSED = ("gate_up_proj", "down_proj")
 """The parameters of a transformers 5 fused experts module, in its registration order."""
@@ -72,7 +72,8 @@ class HFExpertParallel(MOELayer):
     experts only.
 
     Built holding the HF module's full weights (not registered); they are cut to this
-    rank's slice when its groups are set (:func:`deepshard.moe.groups.configure`, which
+    rank's slice when its groups are set
+    (:func:`deepshard.runtime.parallel.expert_groups.configure`, which
     :func:`shard_hf_moe` calls), and dropped. ``exp_counts`` holds the last forward's
     tokens per global expert; the load-balancing loss is the HF model's own.
     """
@@ -135,7 +136,7 @@ class HFExpertParallel(MOELayer):
         for name in FUSED:
             local = torch.stack([getattr(e, name).detach() for e in self.experts])
             if self.ep_size > 1:
-                from ..comm import collectives as comm
+                from deepshard.comm import collectives as comm
 
                 parts = [torch.empty_like(local) for _ in range(self.ep_size)]
                 comm.all_gather(parts, local.contiguous(), group=self.ep_group)

@@ -13,9 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .experts import Experts
-from .groups import ExpertGroups, check_sizes, configure, group_name
-from .sharded_moe import MOELayer, TopKGate
+from deepshard.moe.experts import Experts
+from deepshard.moe.sharded_moe import MOELayer, TopKGate
+from deepshard.runtime.parallel.expert_groups import (
+    ExpertGroups,
+    check_sizes,
+    configure,
+    group_name,
+)
 
 
 class MoE(nn.Module):
@@ -82,7 +87,8 @@ class MoE(nn.Module):
 
     @property
     def expert_groups(self) -> ExpertGroups | None:
-        """The :class:`~deepshard.moe.groups.ExpertGroups` in use (None before configure)."""
+        """The :class:`~deepshard.runtime.parallel.expert_groups.ExpertGroups` in use (None
+        before configure)."""
         return self.deepspeed_moe.expert_groups
 
 

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from ..errors import UsageError
-from .dispatch import _AllToAll, combine, dispatch, plan
-from .gating import (
+from deepshard.errors import UsageError
+from deepshard.moe.dispatch import _AllToAll, combine, dispatch, plan
+from deepshard.moe.gating import (
     Routes,
     _capacity,
     gumbel_rsample,
@@ -28,9 +28,10 @@ from .gating import (
     top2gating,
     topkgating,
 )
+from deepshard.runtime.parallel.expert_groups import ExpertParallelLayer
 
 if TYPE_CHECKING:
-    from .groups import ExpertGroups
+    from deepshard.runtime.parallel.expert_groups import ExpertGroups
 
 __all__ = ["MOELayer", "TopKGate", "_AllToAll", "_capacity", "gumbel_rsample",
            "multiplicative_jitter", "top1gating", "top2gating", "topkgating"]
@@ -97,7 +98,7 @@ class TopKGate(Module):
                 sparse_routes: bool = False, use_tutel: bool = False) -> tuple:
         """DeepSpeed's return value: ``(l_aux, combine_weights, dispatch_mask,
         exp_counts)``, or the sparse tuple with ``sparse_routes=True``."""
-        from .gating import dense, sparse
+        from deepshard.moe.gating import dense, sparse
 
         del use_tutel
         l_aux, routes, counts = self.route(input, used_token, self.ep_group)
@@ -105,13 +106,13 @@ class TopKGate(Module):
                                                                    counts)
 
 
-class MOELayer(Module):
+class MOELayer(ExpertParallelLayer, Module):
     """Gate, exchange, experts, exchange back, combine (GShard's algorithm 2).
 
     ``forward(hidden_states, used_token=None)`` returns the output and leaves the gate's
     load-balancing loss in ``l_aux`` and the per-expert token counts (before capacity
     dropping) in ``exp_counts``. With ``ep_size > 1`` its groups must have been set
-    (:func:`deepshard.moe.groups.configure`, which ``deepshard.initialize`` and
+    (:func:`deepshard.runtime.parallel.expert_groups.configure`, which ``deepshard.initialize`` and
     ``MoE.set_deepspeed_parallelism`` call).
     """
 
@@ -154,7 +155,7 @@ class MOELayer(Module):
             raise UsageError(f"this MoE layer (ep_size={self.ep_size}) has no expert-parallel "
                              "group yet", where="MoE.forward",
                              hint="wrap the model with deepshard.initialize, or call "
-                             "deepshard.moe.groups.configure(model) first")
+                             "deepshard.runtime.parallel.expert_groups.configure(model) first")
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else kwargs.get("used_token")
         tokens = hidden.reshape(-1, hidden.shape[-1])

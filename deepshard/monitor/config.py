@@ -1,11 +1,11 @@
 """DeepSpeed's ``deepspeed.monitor.config``: the monitor config models (deepshard's, from
-:mod:`deepshard.runtime.config.schema_monitor`) and ``get_monitor_config``."""
+:mod:`deepshard.config.schema_monitor`) and ``get_monitor_config``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.config.schema_monitor import (
+from deepshard.config.schema_monitor import (
     CometConfig,
     CSVConfig,
     MonitorConfig,

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .base import Event, Monitor
+from deepshard.monitor.base import Event, Monitor
 
 
 class csvMonitor(Monitor):  # DeepSpeed's class name

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .base import Event, Monitor
+from deepshard.monitor.base import Event, Monitor
 
 
 def _global_rank() -> int:
@@ -24,7 +24,7 @@ class MonitorMaster(Monitor):
     ``comet`` sections, on global rank 0.
 
     Args:
-        monitor_config: a :class:`~deepshard.runtime.config.schema_monitor.MonitorConfig`
+        monitor_config: a :class:`~deepshard.config.schema_monitor.MonitorConfig`
             (``engine._config.monitor_config``, or
             :func:`deepshard.monitor.config.get_monitor_config` of a raw dict).
         rank: this process's global rank; None: torch.distributed's (0 when there is no
@@ -37,7 +37,7 @@ class MonitorMaster(Monitor):
 
     def __init__(self, monitor_config: Any, rank: int | None = None):
         super().__init__(monitor_config)
-        from . import utils
+        from deepshard.monitor import utils
 
         self.enabled = monitor_config.enabled
         self.tb_monitor = self.wandb_monitor = self.csv_monitor = self.comet_monitor = None
@@ -50,16 +50,16 @@ class MonitorMaster(Monitor):
 
     def _build(self, cfg: Any) -> None:
         if cfg.tensorboard.enabled:
-            from .tensorboard import TensorBoardMonitor
+            from deepshard.monitor.tensorboard import TensorBoardMonitor
             self.tb_monitor = TensorBoardMonitor(cfg.tensorboard)
         if cfg.wandb.enabled:
-            from .wandb import WandbMonitor
+            from deepshard.monitor.wandb import WandbMonitor
             self.wandb_monitor = WandbMonitor(cfg.wandb)
         if cfg.csv_monitor.enabled:
-            from .csv_monitor import csvMonitor
+            from deepshard.monitor.csv_monitor import csvMonitor
             self.csv_monitor = csvMonitor(cfg.csv_monitor)
         if cfg.comet.enabled:
-            from .comet import CometMonitor
+            from deepshard.monitor.comet import CometMonitor
             self.comet_monitor = CometMonitor(cfg.comet)
 
     @property

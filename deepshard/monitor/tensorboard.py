@@ -7,8 +7,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .base import Event, Monitor
-from .utils import require
+from deepshard.monitor.base import Event, Monitor
+from deepshard.monitor.utils import require
 
 
 class TensorBoardMonitor(Monitor):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 INSTALL = {
     "tensorboard": ("tensorboard", "pip install tensorboard (or pip install "

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import UsageError
-from .base import Event, Monitor
-from .utils import require
+from deepshard.errors import UsageError
+from deepshard.monitor.base import Event, Monitor
+from deepshard.monitor.utils import require
 
 
 class WandbMonitor(Monitor):

@@ -169,9 +169,9 @@ def _from_deepspeed_config(source: Any) -> CheckpointingConfig:
 
 def _read_section(source: Mapping | str | PathLike) -> Any:
     """The validated ``activation_checkpointing`` section of a config dict or file."""
-    from .config.dialect import read_config_source
-    from .config.schema import ActivationCheckpointingConfig
-    from .config.schema_base import KeyLog
+    from deepshard.config.dialect import read_config_source
+    from deepshard.config.schema import ActivationCheckpointingConfig
+    from deepshard.config.schema_base import KeyLog
 
     data, origin = read_config_source(source)
     if "activation_checkpointing" in data:

@@ -2,9 +2,10 @@
 
 It joins the process group when needed, validates the config, derives the model-parallel
 layout from it and resolves the batch triad against the data-parallel size, prepares the
-model (:mod:`.build.model`), builds the data-parallel strategy and its optimizer
-(:mod:`.build.strategy`), the scheduler and loss scaler, and resumes from a checkpoint
-when the config asks for it (``checkpoint.resume_dir``).
+model (:mod:`.assembly.model`, with the registered features' model hooks:
+:mod:`.extensions`), builds the data-parallel strategy and its optimizer from one
+:class:`~.zero.spec.ZeroSpec` (:mod:`.assembly.strategy`), the scheduler and loss scaler,
+and resumes from a checkpoint when the config asks for it (``checkpoint.resume_dir``).
 """
 
 from __future__ import annotations
@@ -18,20 +19,23 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..contract import RESTART_COUNT
-from ..errors import UsageError, install_exit_hooks
-from . import teardown
-from .allocator import fix_mmap_threshold
-from .build.model import prepare_model, training_device
-from .build.strategy import build_strategy
-from .config import parse_config, with_batch_triad
-from .config.schema_optim import ONEBIT_OPTIMIZERS
-from .distributed import DEFAULT_PORT, init_distributed
-from .engine import DeepShardEngine, EngineParts
-from .loss_scaler import build_loss_scaler
-from .lr_schedules import build_scheduler
+from deepshard.comm import teardown
+from deepshard.comm.distributed import DEFAULT_PORT, init_distributed
+from deepshard.config import parse_config, with_batch_triad
+from deepshard.config.schema_optim import ONEBIT_OPTIMIZERS
+from deepshard.contract import RESTART_COUNT
+from deepshard.errors import UsageError, install_exit_hooks
+from deepshard.runtime.allocator import fix_mmap_threshold
+from deepshard.runtime.assembly.model import prepare_model, training_device
+from deepshard.runtime.assembly.strategy import build_strategy
+from deepshard.runtime.engine import DeepShardEngine, EngineParts
+from deepshard.runtime.extensions import load_extensions
+from deepshard.runtime.loss_scaler import build_loss_scaler
+from deepshard.runtime.lr_schedules import build_scheduler
+from deepshard.runtime.zero.spec import ZeroSpec
 
 logger = logging.getLogger("deepshard")
+
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's ``--deepspeed`` and ``--deepspeed_config`` options to ``parser``."""
@@ -63,14 +67,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
     source = _config_source(args, config if config is not None else config_params)
     _join(distributed_port)
     loaded, layout = _config_and_layout(source, model, mpu)
-    cfg = loaded.config
+    cfg, extensions, zero = loaded.config, load_extensions(), ZeroSpec.from_config(loaded.config)
+    extensions.require(cfg)
     if layout is not None:
         mpu = layout.groups
     group, dp_world, dp_rank = _data_parallel(mpu)
     rank, device = dist.get_rank(), training_device()
-    prepared = prepare_model(model, cfg, layout, group, dp_world, rank, device)
+    prepared = prepare_model(model, cfg, zero, extensions, layout, group, dp_world, rank,
+                             device)
     module, excluded = prepared.module, prepared.excluded
-    strategy, opt = build_strategy(cfg, module, optimizer, model_parameters, group,
+    strategy, opt = build_strategy(cfg, zero, module, optimizer, model_parameters, group,
                                    dp_world, dp_rank, prepared.replaced)
     sched = _scheduler(cfg, lr_scheduler, opt)
     _configure_activation_checkpointing(cfg, mpu, rank)
@@ -78,7 +84,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         module=module, config=cfg, strategy=strategy, optimizer=opt, lr_scheduler=sched,
         loss_scaler=build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None, rank=rank,
         dp_rank=dp_rank, device=device, profiler_factory=_profiler(cfg, module, rank),
-        norm_excluded=excluded, mp_group=_model_group(mpu), mpu=mpu)
+        norm_excluded=excluded, mp_group=_model_group(mpu), mpu=mpu, zero=zero,
+        extensions=extensions)
     engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
     loader = None if training_data is None else engine.training_loader(training_data,
                                                                        collate_fn)
@@ -102,7 +109,7 @@ def _join(distributed_port: int) -> None:
 def _config_and_layout(source, model, mpu):
     """The validated config (batch triad resolved against the data-parallel size) and
     the model-parallel layout it asks for (``None``: plain data parallelism)."""
-    from .parallel.layout import Layout, pipeline_stages
+    from deepshard.runtime.parallel.layout import Layout, pipeline_stages
 
     parsed = parse_config(source, model=model,
                           auto_values={"pipeline.stages": pipeline_stages(model)})
@@ -117,7 +124,7 @@ def _config_and_layout(source, model, mpu):
         logger.warning("%s: unknown config keys, ignored as DeepSpeed does: %s",
                        loaded.origin, ", ".join(loaded.unknown))
     _check_combination(cfg, layout, loaded.origin)
-    from .. import comm
+    from deepshard import comm
 
     comm.configure(deepspeed_config=cfg)  # the comms_logger section, when written
     return loaded, layout
@@ -167,7 +174,7 @@ def _profiler(cfg, module, rank: int):
     """What builds the FLOP profiler at ``flops_profiler.profile_step`` (rank 0 only)."""
     if not cfg.flops_profiler.enabled or rank != 0:
         return None
-    from .flops_profiler import FlopsProfiler
+    from deepshard.runtime.flops_profiler import FlopsProfiler
 
     fp = cfg.flops_profiler
     return partial(FlopsProfiler, module, module_depth=fp.module_depth,
@@ -178,7 +185,7 @@ def _profiler(cfg, module, rank: int):
 def _configure_activation_checkpointing(cfg, mpu, rank: int) -> None:
     if "activation_checkpointing" not in cfg.model_fields_set:
         return
-    from . import activation_checkpointing
+    from deepshard.runtime import activation_checkpointing
 
     notes = activation_checkpointing.configure(mpu, deepspeed_config=cfg)
     if rank == 0 and notes:
@@ -245,7 +252,7 @@ def _exit_after_handlers(code: int) -> None:
     model (5-7 s measured), past the launcher's stop grace, so it was SIGKILLed."""
     import atexit
 
-    from ..errors import flush_stdio
+    from deepshard.errors import flush_stdio
 
     atexit._run_exitfuncs()
     flush_stdio()

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 
 @dataclass

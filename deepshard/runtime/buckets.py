@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import collectives as comm
-from ..errors import UsageError
-from .backward import outside_error
-from .hooks import weak_hook
+from deepshard.comm import collectives as comm
+from deepshard.errors import UsageError
+from deepshard.runtime.backward import outside_error
+from deepshard.runtime.hooks import weak_hook
 
 # DDP's default bucket: big enough to amortise a collective, small enough to overlap backward.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024

@@ -17,8 +17,9 @@ masters and optimizer state live is the strategy's
   :mod:`.engine_monitor` times the three and writes the enabled monitors' events.
 
 Checkpoints are :mod:`deepshard.runtime.checkpoint.engine_io`'s, over this engine's public
-state. Errors are :class:`~deepshard.errors.UsageError` exceptions a caller can catch;
-uncaught, the worker's exception hook prints them as one line and exits with code 2.
+state (the methods: :mod:`.engine_persistence`). Errors are
+:class:`~deepshard.errors.UsageError` exceptions a caller can catch; uncaught, the worker's
+exception hook prints them as one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -29,23 +30,25 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
-from ..liveness import heartbeat
-from .backward import BackwardDriver
-from .checkpoint import engine_io
-from .engine_getters import EngineGetters
-from .engine_monitor import EngineMonitor
-from .hooks import weak_hook
-from .loss_scaler import backward_factor, inverse_scale
-from .precision import clip_
-from .strategy import DataParallelStrategy
-from .strategy.fragments import ParamFragments
+from deepshard.errors import UsageError
+from deepshard.liveness import heartbeat
+from deepshard.runtime.backward import BackwardDriver
+from deepshard.runtime.engine_getters import EngineGetters
+from deepshard.runtime.engine_monitor import EngineMonitor
+from deepshard.runtime.engine_persistence import EngineData, EnginePersistence
+from deepshard.runtime.extensions import Extensions
+from deepshard.runtime.hooks import weak_hook
+from deepshard.runtime.loss_scaler import backward_factor, inverse_scale
+from deepshard.runtime.precision import clip_
+from deepshard.runtime.strategy import DataParallelStrategy
+from deepshard.runtime.strategy.fragments import ParamFragments
+from deepshard.runtime.zero.spec import ZeroSpec
 
 logger = logging.getLogger("deepshard")
 
@@ -79,16 +82,20 @@ class EngineParts:
     mp_group: dist.ProcessGroup | None = None
     norm_excluded: frozenset[int] = frozenset()
     mpu: object | None = None  # the layout's ProcessGroups (or a user's mpu)
+    zero: ZeroSpec = field(default_factory=lambda: ZeroSpec(stage=0))
+    """What is sharded (the one place the stage is read from the config)."""
+    extensions: Extensions = field(default_factory=Extensions)
+    """The registered features: the monitor sink, ``save_pretrained``."""
 
 
-class DeepShardEngine(EngineGetters, torch.nn.Module):
+class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Module):
     """DeepSpeed's engine API over one data-parallel strategy (see the module docstring)."""
 
     def __init__(self, parts: EngineParts):
         super().__init__()
         self.module = parts.module
         self.strategy = parts.strategy
-        self._config = parts.config
+        self._config, self._zero, self._extensions = parts.config, parts.zero, parts.extensions
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.lr_scheduler
         self.loss_scaler = parts.loss_scaler
@@ -108,15 +115,16 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
         self._no_sync = False
         self._prescaled = False
         self.training_dataloader = None
-        self._monitor = EngineMonitor(parts.config, parts.rank, parts.strategy.group,
-                                      parts.strategy.world, parts.device)
+        self._monitor = EngineMonitor(
+            parts.config, parts.rank, parts.strategy.group, parts.strategy.world, parts.device,
+            parts.extensions.event_sink(parts.config.monitor_config, parts.rank))
         self._driver = BackwardDriver(self.strategy, self._sync_now, self._direct_factor,
                                       lambda: heartbeat(self.counters.global_steps))
         self._grad_hooks = [p.register_hook(weak_hook(self._driver.param_grad))
                             for p in self.strategy.params]
         fragments = ParamFragments(self.strategy, self.optimizer)
         for p in self.strategy.params:
-            p._deepshard_strategy = fragments  # deepshard.utils.safe_get_full_*
+            p._deepshard_strategy = fragments  # runtime.tensor_fragment's safe_get_full_*
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last one before an optimizer step (as
@@ -223,8 +231,8 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backwards inside the block accumulate without reducing (DDP's and DeepSpeed's
         ``no_sync``); not at ZeRO stages 2-3, which reduce during every backward."""
-        if self.strategy.stage >= 2:
-            raise UsageError(f"engine.no_sync() at ZeRO stage {self.strategy.stage}",
+        if self._zero.shards_gradients:
+            raise UsageError(f"engine.no_sync() at ZeRO stage {self._zero.stage}",
                              where="engine.no_sync",
                              hint="stages 2-3 reduce gradients into shards during every "
                                   "backward: use gradient_accumulation_steps instead")
@@ -326,7 +334,7 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
             self._print_profile()
 
     def _print_profile(self) -> None:
-        from .flops_profiler import render
+        from deepshard.runtime.flops_profiler import render
 
         fp = self._config.flops_profiler
         text = render(self._profiler.result(), module_depth=fp.module_depth,
@@ -336,88 +344,6 @@ class DeepShardEngine(EngineGetters, torch.nn.Module):
             Path(fp.output_file).write_text(text + "\n")
         else:
             print(text, flush=True)
-
-    # -- checkpoints ---------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False) -> bool:
-        """Save model, optimizer, scheduler, loss scaler, RNG and ``client_state`` atomically.
-
-        Collective: every rank must call it. ``tag`` defaults to ``global_step<N>``.
-        ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a
-        LoRA model's base), as DeepSpeed does: load such a checkpoint with
-        ``load_module_strict=False`` into a model that has them already. A failed write
-        (full disk, no permission) raises a :class:`~deepshard.errors.UsageError` on every
-        rank naming the path; the previous checkpoint stays loadable.
-        """
-        return engine_io.save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                         exclude_frozen_parameters)
-
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's: rank 0 writes the module's state dict (its training dtype) to
-        ``save_dir/save_filename``, atomically. At ZeRO stage 3 the parameters are gathered
-        for it when ``stage3_gather_16bit_weights_on_model_save`` is set; otherwise nothing
-        is saved and False returned, as in DeepSpeed; they are gathered one flat group at
-        a time, so the whole model is never held by any rank but rank 0's CPU copy.
-        Collective."""
-        return engine_io.save_16bit_model(self, save_dir, save_filename,
-                                          exclude_frozen_parameters)
-
-    def save_pretrained(self, save_directory, **kwargs) -> None:
-        """The model in the HF format (sharded safetensors with their index,
-        ``config.json``, generation config; a PEFT model's adapter), consolidated from any
-        ZeRO stage, the ranks writing shards in parallel: see
-        :func:`deepshard.integrations.hf_save.save_pretrained` for the keyword arguments.
-        Collective; needs transformers."""
-        from ..integrations.hf_save import save_pretrained
-
-        save_pretrained(self, save_directory, **kwargs)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> dict:
-        """DeepSpeed's name (what HF's Trainer and Accelerate call): the module's whole
-        state dict on rank 0 (empty elsewhere), at any stage. Collective."""
-        from ..integrations.hf_save import consolidated_16bit_state_dict
-
-        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
-                        load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):
-        """Restore a checkpoint of any stage and world size (model-parallel ones: of the
-        same layout); returns ``(path, client_state)``, or ``(None, None)`` when
-        ``load_dir`` holds no complete checkpoint (as DeepSpeed does)."""
-        return engine_io.load_checkpoint(self, load_dir, tag, load_module_strict,
-                                         load_optimizer_states, load_lr_scheduler_states,
-                                         load_module_only)
-
-    def deepspeed_io(self, dataset, batch_size: int | None = None, route=None,
-                     pin_memory: bool = True, data_sampler=None, collate_fn=None,
-                     num_local_io_workers: int | None = None):
-        """DeepSpeed's loader for ``dataset``: this data-parallel rank's share of it
-        (a ``DistributedSampler`` unless ``data_sampler`` is given), in micro-batches of
-        ``train_micro_batch_size_per_gpu`` unless ``batch_size`` says otherwise."""
-        del route  # DeepSpeed's train/eval tag: the loader is the same
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        replicas, index = self.dp_world_size, self.dp_rank
-        if self.sequence_parallel_size > 1:  # a sequence-parallel group shares its batches
-            replicas = self.mpu.get_data_parallel_world_size()
-            index = self.mpu.get_data_parallel_rank()
-        sampler = data_sampler if data_sampler is not None else DistributedSampler(
-            dataset, num_replicas=replicas, rank=index)
-        return DataLoader(dataset, batch_size=batch_size or
-                          self._config.train_micro_batch_size_per_gpu, sampler=sampler,
-                          collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
-                          pin_memory=pin_memory and torch.cuda.is_available())
-
-    def training_loader(self, dataset, collate_fn=None):
-        """The loader ``initialize(training_data=dataset)`` returns (and keeps as
-        ``training_dataloader``)."""
-        from .data_position import resumable_loader  # its position is in checkpoints
-
-        self.training_dataloader = resumable_loader(self, dataset, collate_fn)
-        return self.training_dataloader
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free ZeRO-3 parameters left gathered: units kept from a forward

@@ -8,11 +8,17 @@ it reads only ``self._config``, ``self.counters``, ``self.optimizer``,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepshard.runtime.zero.spec import ZeroSpec
+
 
 class EngineGetters:
     """The read-only part of DeepSpeed's engine API (see the module docstring)."""
 
     _config: object
+    _zero: ZeroSpec
     counters: object
     optimizer: object
     loss_scaler: object
@@ -21,7 +27,7 @@ class EngineGetters:
 
     @property
     def config(self):
-        """The validated config (``deepshard.runtime.config.DeepShardConfig``)."""
+        """The validated config (``deepshard.config.DeepShardConfig``)."""
         return self._config
 
     @property
@@ -60,7 +66,7 @@ class EngineGetters:
         return self._config.bf16.enabled
 
     def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
+        return self._zero.stage
 
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
@@ -95,15 +101,15 @@ class EngineGetters:
     # -- ZeRO and precision flags -----------------------------------------------------
     def zero_optimization(self) -> bool:
         """ZeRO is on (stage 1-3)."""
-        return self._config.zero_optimization.stage > 0
+        return self._zero.shards_optimizer
 
     def zero_optimization_partition_gradients(self) -> bool:
         """Gradients are sharded (stage 2-3)."""
-        return self._config.zero_optimization.stage >= 2
+        return self._zero.shards_gradients
 
     def zero_optimization_partition_weights(self) -> bool:
         """Parameters are sharded (stage 3)."""
-        return self._config.zero_optimization.stage == 3
+        return self._zero.shards_parameters
 
     def zero_offload_optimizer(self):
         """The ``offload_optimizer`` section, or ``None``."""

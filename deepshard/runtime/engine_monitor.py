@@ -42,8 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..monitor.base import Event
-from ..monitor.monitor import MonitorMaster
+from deepshard.runtime.extensions import Event, EventSink
 
 logger = logging.getLogger("deepshard")
 
@@ -112,16 +111,16 @@ class EngineMonitor:
         dp_world: that group's size.
         device: the training device (CUDA: timers synchronise, the heartbeat loss is
             read without a sync).
-
-    Raises:
-        UsageError: an enabled monitor's package is not installed.
+        sink: where the events go (the monitor feature's ``MonitorMaster`` over the
+            config's monitor sections: :meth:`~deepshard.runtime.extensions.Extensions.
+            event_sink`).
     """
 
-    def __init__(self, config, rank: int, group, dp_world: int, device: torch.device):
+    def __init__(self, config, rank: int, group, dp_world: int, device: torch.device,
+                 sink: EventSink):
         self._config, self.rank = config, rank
         self._group, self._dp_world, self._device = group, dp_world, device
-        monitor_config = config.monitor_config
-        self.master = MonitorMaster(monitor_config, rank)
+        self.master = sink
         self.timers = StepTimers(device) if config.wall_clock_breakdown else None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

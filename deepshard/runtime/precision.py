@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .buckets import BucketLayout
+from deepshard.runtime.buckets import BucketLayout
 
 
 class MasterWeights:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .precision import global_norm
+from deepshard.runtime.precision import global_norm
 
 __all__ = ["RepeatingLoader", "clip_grad_norm_", "get_global_norm", "see_memory_usage",
            "set_random_seed"]

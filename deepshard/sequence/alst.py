@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UsageError
-from .offload import offload_gradient_checkpointing
-from .tiled import tiled_logits_loss, tiled_mlp
+from deepshard.errors import UsageError
+from deepshard.sequence.offload import offload_gradient_checkpointing
+from deepshard.sequence.tiled import tiled_logits_loss, tiled_mlp
 
 __all__ = ["apply_alst", "tile_causal_lm_loss", "tile_mlps"]
 

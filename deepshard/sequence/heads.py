@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import comm
-from ..errors import UsageError
-from .layer import _plan, gather_heads, scatter_heads
+from deepshard import comm
+from deepshard.errors import UsageError
+from deepshard.sequence.layer import _plan, gather_heads, scatter_heads
 
 SUPPORTED = ("sdpa", "eager")
 
@@ -149,7 +149,7 @@ def sequence_groups(sequence_parallel_size: int) -> Any:
     """The job's sequence-parallel groups (consecutive ranks) with DeepSpeed's ``mpu``
     methods: a :class:`~deepshard.runtime.parallel.topology.ProcessGroups` (a collective
     call)."""
-    from ..runtime.parallel.topology import ProcessGroups, Topology
+    from deepshard.runtime.parallel.topology import ProcessGroups, Topology
 
     topo = Topology.from_config(comm.get_world_size(), sp_size=sequence_parallel_size)
     return ProcessGroups.create(topo)

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import comm
-from ..errors import UsageError
-from .heads import HeadPlan, even_split, plan_heads
+from deepshard import comm
+from deepshard.errors import UsageError
+from deepshard.sequence.heads import HeadPlan, even_split, plan_heads
 
 _plan = lru_cache(maxsize=64)(plan_heads)
 

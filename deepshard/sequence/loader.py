@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import UsageError
-from .loss import IGNORE_INDEX
+from deepshard.errors import UsageError
+from deepshard.sequence.loss import IGNORE_INDEX
 
 
 def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from deepshard.errors import UsageError
 
 __all__ = ["HostOffload", "OffloadStats", "OffloadedCheckpoint",
            "offload_gradient_checkpointing"]

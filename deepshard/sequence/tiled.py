@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UsageError
-from .fused_ce import LinearCrossEntropy, fusable, tile_bounds
+from deepshard.errors import UsageError
+from deepshard.sequence.fused_ce import LinearCrossEntropy, fusable, tile_bounds
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "auto_logits_shards", "auto_mlp_shards",
            "tiled_logits_loss", "tiled_mlp"]

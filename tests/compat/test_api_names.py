@@ -1,6 +1,6 @@
 """Every DeepSpeed name issue 18 lists (the ones DeepSpeedExamples and the HF/Accelerate
 integrations import) resolves through the ``--deepspeed_compat`` shim to the deepshard
-object of the same name, in a fresh interpreter."""
+object the path table (``deepshard.compat.paths``) names for it, in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from deepshard.launcher.compat import SHIM_DIR
+from deepshard.contract import SHIM_DIR
 
 NAMES = [
     "initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
@@ -43,18 +43,18 @@ NAMES = [
 ]
 
 PROBE = """
-import importlib, json, sys
-import deepspeed, deepshard
-# DeepSpeed modules whose deepshard counterpart lives elsewhere
-HOMES = {"runtime.sequence_parallel.ulysses_sp": "sequence"}
+import importlib, inspect, json, sys
+import deepspeed
+from deepshard.compat.alias import resolve
 out = {}
 for name in sys.argv[1:]:
     mod, _, attr = name.rpartition(".")
     ds = importlib.import_module("deepspeed." + mod) if mod else deepspeed
-    own = deepshard
-    for part in HOMES.get(mod, mod).split(".") if mod else ():
-        own = getattr(own, part)  # deepshard.zero is an attribute, not a module
-    out[name] = getattr(ds, attr) is getattr(own, attr)
+    got = getattr(ds, attr)
+    # the object the path table names for it, and one of deepshard's own
+    ours = not (inspect.isclass(got) or inspect.isfunction(got)) or (
+        got.__module__.startswith("deepshard"))
+    out[name] = got is resolve("deepspeed." + name) and ours
 print(json.dumps(out))
 """
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from deepshard.config import parse_config
 from deepshard.errors import UsageError
-from deepshard.runtime.config import parse_config
 from tests.helpers import ROOT, run_ds, tagged_json
 
 SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "alst_engine.py")

@@ -1,13 +1,13 @@
-"""``deepshard.utils.safe_get_full_*`` (DeepSpeed's tensor-fragment API) at ZeRO stages
-0-3 on 2 gloo ranks: a parameter's whole gradient, fp32 master and optimizer state equal
-plain torch's (``scripts/fragments_probe.py``)."""
+"""``deepshard.runtime.tensor_fragment.safe_get_full_*`` (DeepSpeed's tensor-fragment API)
+at ZeRO stages 0-3 on 2 gloo ranks: a parameter's whole gradient, fp32 master and optimizer
+state equal plain torch's (``scripts/fragments_probe.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepshard.utils import safe_get_full_fp32_param, safe_get_full_grad
+from deepshard.runtime.tensor_fragment import safe_get_full_fp32_param, safe_get_full_grad
 from tests.helpers import ROOT, run_ds, tagged_json
 
 SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "fragments_probe.py")

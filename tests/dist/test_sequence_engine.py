@@ -5,7 +5,7 @@ triad counts replicas, and the engine's loader gives a sequence group one share.
 
 from __future__ import annotations
 
-from deepshard.runtime.config import parse_config
+from deepshard.config import parse_config
 from tests.helpers import ROOT, run_ds, tagged_json
 
 SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "sequence_engine.py")

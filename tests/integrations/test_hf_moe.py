@@ -25,7 +25,7 @@ from deepshard.moe.hf import (
     hf_state_dict,
     shard_hf_moe,
 )
-from deepshard.runtime.build.moe import global_names
+from deepshard.runtime.assembly.moe import global_names
 from tests.helpers import ROOT, run_ds, tagged_json
 from tests.integrations.scripts.hf_moe_train import VOCAB, tiny_moe
 from tests.integrations.tiny import batch, tiny_config

@@ -14,10 +14,10 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..slurm_env import in_allocation
-from ..spawn import DEFAULT_HOSTFILE
-from .base import AgentHandle, Backend, Router
-from .local import LocalBackend
+from deepshard.launcher.backends.base import AgentHandle, Backend, Router
+from deepshard.launcher.backends.local import LocalBackend
+from deepshard.launcher.slurm_env import in_allocation
+from deepshard.launcher.spawn import DEFAULT_HOSTFILE
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ...errors import UsageError
-from ..plan import NodePlan
+from deepshard.errors import UsageError
+from deepshard.launcher.plan import NodePlan
 
 if TYPE_CHECKING:
-    from ..options import LaunchOptions
+    from deepshard.launcher.options import LaunchOptions
 
 
 class HostsUnreachable(UsageError):

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..plan import NodePlan
-from ..spawn import spawn_agent
-from .base import AgentHandle, Backend
+from deepshard.launcher.backends.base import AgentHandle, Backend
+from deepshard.launcher.plan import NodePlan
+from deepshard.launcher.spawn import spawn_agent
 
 if TYPE_CHECKING:
-    from ..options import LaunchOptions
+    from deepshard.launcher.options import LaunchOptions
 
 
 class LocalAgent(AgentHandle):

@@ -23,14 +23,14 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ... import contract
-from ...errors import UsageError
-from ..plan import NodePlan
-from ..spawn import AGENT_ARGS
-from .base import AgentHandle, Backend
+from deepshard import contract
+from deepshard.errors import UsageError
+from deepshard.launcher.backends.base import AgentHandle, Backend
+from deepshard.launcher.plan import NodePlan
+from deepshard.launcher.spawn import AGENT_ARGS
 
 if TYPE_CHECKING:
-    from ..options import LaunchOptions
+    from deepshard.launcher.options import LaunchOptions
 
 
 def pdsh_command(nodes: tuple[NodePlan, ...], python: str, extra: str) -> list[str]:

@@ -24,14 +24,14 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from ...errors import UsageError
-from ..plan import NodePlan
-from ..spawn import AGENT_ARGS
-from .base import AgentHandle, Backend
-from .local import LocalAgent
+from deepshard.errors import UsageError
+from deepshard.launcher.backends.base import AgentHandle, Backend
+from deepshard.launcher.backends.local import LocalAgent
+from deepshard.launcher.plan import NodePlan
+from deepshard.launcher.spawn import AGENT_ARGS
 
 if TYPE_CHECKING:
-    from ..options import LaunchOptions
+    from deepshard.launcher.options import LaunchOptions
 
 Address = tuple[str, int]
 

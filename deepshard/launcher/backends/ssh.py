@@ -25,21 +25,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..plan import NodePlan
-from ..spawn import AGENT_ARGS
-from ..ssh_config import (
+from deepshard.launcher.backends.base import AgentHandle, Backend, HostsUnreachable
+from deepshard.launcher.plan import NodePlan
+from deepshard.launcher.spawn import AGENT_ARGS
+from deepshard.launcher.ssh_config import (
     SSHTarget,
     import_paramiko,
     load_config_text,
     parse_jump,
     resolve_target,
 )
-from .base import AgentHandle, Backend, HostsUnreachable
 
 if TYPE_CHECKING:
     from typing import Any
 
-    from ..options import LaunchOptions
+    from deepshard.launcher.options import LaunchOptions
 
     Client = Any
     """A ``paramiko.SSHClient`` (paramiko ships no type information)."""

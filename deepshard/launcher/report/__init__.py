@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from ...errors import EXIT_USAGE, UsageError
+from deepshard.errors import EXIT_USAGE, UsageError
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,13 +29,13 @@ def ds_report(as_json: bool, hostfile: str | None, master_port: int, ssh_port: i
               remote_python: str | None, timeout: float) -> int:
     """What this install and machine have (and, with --hostfile, whether every host is
     ready for a job). Exits non-zero when a checked host is not."""
-    from .collect import collect
-    from .render import render_checks, render_report, to_json
+    from deepshard.launcher.report.collect import collect
+    from deepshard.launcher.report.render import render_checks, render_report, to_json
 
     checks = None
     if hostfile is not None:
-        from ..hostfile import read_hostfile
-        from .preflight import preflight
+        from deepshard.launcher.hostfile import read_hostfile
+        from deepshard.launcher.report.preflight import preflight
 
         checks = preflight(read_hostfile(hostfile), cwd=os.getcwd(), master_port=master_port,
                            ssh_port=ssh_port, remote_python=remote_python, timeout=timeout)

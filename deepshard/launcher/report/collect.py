@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from ... import __version__
-from ...errors import UsageError
-from ..env_file import home_dir, read_env_files
-from ..plan_render import MASK, is_secret
-from ..resources import cpu_count, gpu_ids
+from deepshard import __version__
+from deepshard.errors import UsageError
+from deepshard.launcher.env_file import home_dir, read_env_files
+from deepshard.launcher.plan_render import MASK, is_secret
+from deepshard.launcher.resources import cpu_count, gpu_ids
 
 SCHEMA_VERSION = 1
 SHM_WARN_BYTES = 512 * 1024**2
@@ -200,7 +200,7 @@ def probe_cupy() -> ToolInfo:
 
 def probe_kernels() -> list[KernelInfo]:
     """Every op of deepshard.kernels' registry, when the package has one."""
-    from ... import kernels
+    from deepshard import kernels
 
     registry = getattr(kernels, "REGISTRY", None)
     if not registry:

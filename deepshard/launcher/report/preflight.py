@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from ..resources import Resources, interface_addresses, is_local, local_names
+from deepshard.launcher.resources import Resources, interface_addresses, is_local, local_names
 
 MAX_SKEW = 1.0
 """Seconds of clock difference beyond which a host fails (logs and timeouts disagree)."""
@@ -119,7 +119,7 @@ def _run_remote(client: Any, python: str, cwd: str, port: int,
 def preflight(resources: Resources, *, cwd: str, master_port: int, ssh_port: int | None,
               remote_python: str | None, timeout: float) -> list[HostCheck]:
     """Probe every host in parallel; the first host also checks the master port."""
-    from ..backends.ssh import HostError, SSHBackend
+    from deepshard.launcher.backends.ssh import HostError, SSHBackend
 
     names = local_names(interface_addresses())
     expected = expected_versions()

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, TextIO
 
-from .collect import Report
-from .preflight import HostCheck
+from deepshard.launcher.report.collect import Report
+from deepshard.launcher.report.preflight import HostCheck
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -12,21 +12,21 @@ merges and consolidation, one module each.
 The format's names are re-exported here (``checkpoint.Manifest``, ``checkpoint.LATEST``...).
 """
 
-from .format import (
-    LATEST,
-    MANIFEST,
-    SHARED_FILE,
-    Manifest,
-    check_tag,
-    complete_tags,
-    full_precision,
-    load_file,
-    rank_file,
-    read_manifest,
-    resolve_tag,
-    rng_states,
-    save,
-    set_rng_states,
+from deepshard.runtime.checkpoint.format import (
+           LATEST,
+           MANIFEST,
+           SHARED_FILE,
+           Manifest,
+           check_tag,
+           complete_tags,
+           full_precision,
+           load_file,
+           rank_file,
+           read_manifest,
+           resolve_tag,
+           rng_states,
+           save,
+           set_rng_states,
 )
 
 __all__ = ["LATEST", "MANIFEST", "SHARED_FILE", "Manifest", "check_tag", "complete_tags",

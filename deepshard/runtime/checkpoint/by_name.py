@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import format as fmt
+from deepshard.runtime.checkpoint import format as fmt
 
 
 @dataclass

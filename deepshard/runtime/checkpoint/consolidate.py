@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from ...errors import UsageError
-from . import format as fmt
-from .by_name import in_order, read_by_name
-from .model_parallel import consolidate
+from deepshard.errors import UsageError
+from deepshard.runtime.checkpoint import format as fmt
+from deepshard.runtime.checkpoint.by_name import in_order, read_by_name
+from deepshard.runtime.checkpoint.model_parallel import consolidate
 
 
 def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,

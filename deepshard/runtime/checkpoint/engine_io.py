@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ... import __version__
-from ...errors import UsageError
-from ...liveness import checkpoint_saved, heartbeat
-from .. import data_position
-from . import format as fmt
-from . import model_parallel as mp
-from .by_name import ByName, Needed, aliases, read_by_name
+from deepshard import __version__
+from deepshard.errors import UsageError
+from deepshard.liveness import checkpoint_saved, heartbeat
+from deepshard.runtime import data_position
+from deepshard.runtime.checkpoint import format as fmt
+from deepshard.runtime.checkpoint import model_parallel as mp
+from deepshard.runtime.checkpoint.by_name import ByName, Needed, aliases, read_by_name
 
 logger = logging.getLogger("deepshard")
 
@@ -84,9 +84,9 @@ def _same_directory_everywhere(engine, save_dir) -> None:
 
 def _write_converter(save_dir) -> None:
     """DeepSpeed writes ``zero_to_fp32.py`` next to its checkpoints; so does deepshard (a
-    launcher of :mod:`deepshard.utils.zero_to_fp32`). The checkpoint is complete without
-    it, so a failure to write it is a warning."""
-    from ...utils.zero_to_fp32 import write_script
+    launcher of :mod:`deepshard.runtime.checkpoint.zero_to_fp32`). The checkpoint is
+    complete without it, so a failure to write it is a warning."""
+    from deepshard.runtime.checkpoint.zero_to_fp32 import write_script
 
     try:
         write_script(save_dir)
@@ -131,7 +131,7 @@ def _shared(engine, model: dict, client_state) -> dict:
 
 
 def _tp_layout(engine) -> dict:
-    from ..parallel.tensor import tp_layout
+    from deepshard.runtime.parallel.tensor import tp_layout
 
     return {n: (s.dim, s.sections) for n, s in tp_layout(engine.module).items()}
 
@@ -290,7 +290,7 @@ def _gathered_state(engine, exclude_frozen: bool) -> dict | None:
     """Rank 0's copy of the whole module state (None elsewhere), gathering partitioned
     parameters one flat group at a time: no rank ever holds the whole model but rank 0's
     CPU copy."""
-    from ..zero.stage3 import GatheredParameters
+    from deepshard.runtime.zero.stage3 import GatheredParameters
 
     module, rank0 = engine.module, engine.global_rank == 0
     names: dict[int, list[str]] = {}

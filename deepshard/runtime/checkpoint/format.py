@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import UsageError
+from deepshard.errors import UsageError
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ...errors import UsageError
-from ..parallel.topology import Topology
-from ..parallel.tp_shards import ShardSpec, tp_merge_state_dicts
-from . import format as fmt
-from .by_name import ByName, in_order, read_by_name
+from deepshard.errors import UsageError
+from deepshard.runtime.checkpoint import format as fmt
+from deepshard.runtime.checkpoint.by_name import ByName, in_order, read_by_name
+from deepshard.runtime.parallel.topology import Topology
+from deepshard.runtime.parallel.tp_shards import ShardSpec, tp_merge_state_dicts
 
 
 def layout_of(topology: Topology) -> dict[str, int]:

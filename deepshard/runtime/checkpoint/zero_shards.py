@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..zero.partition import pieces
-from .by_name import ByName, Needed, copy_scalars
+from deepshard.runtime.checkpoint.by_name import ByName, Needed, copy_scalars
+from deepshard.runtime.zero.partition import pieces
 
 
 def needed(zero) -> Needed:

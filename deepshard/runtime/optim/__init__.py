@@ -1,7 +1,7 @@
 """The optimizers: what a DeepSpeed config's ``optimizer`` section builds
 (:func:`build_optimizer`), DeepSpeed's ``FusedAdam``, ``DeepSpeedCPUAdam`` and ``FusedLamb``
-(:mod:`.adam`, :mod:`.lamb`; ``deepshard.ops`` re-exports them under DeepSpeed's module
-paths), deepshard's kernel optimizers and the 1-bit ones (:mod:`.onebit`). Every one of them
+(:mod:`.adam`, :mod:`.lamb`; ``deepshard.compat.paths`` maps DeepSpeed's ``deepspeed.ops``
+paths to them), deepshard's kernel optimizers and the 1-bit ones (:mod:`.onebit`). Every one of them
 steps through :class:`~.base.StepOptimizer`."""
 
 from deepshard.runtime.optim.adam import DeepSpeedCPUAdam, FusedAdam, KernelAdam, TorchAdam

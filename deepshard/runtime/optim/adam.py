@@ -8,7 +8,7 @@ gradient (Adam), per param group through torch's ``decoupled_weight_decay``. Wha
 is DeepSpeed's ``bias_correction=False``: the param groups that ask for it are stepped by
 :func:`deepshard.kernels.adam.adam_reference` (the formulas, with the correction off) and
 keep the same state (``step``, ``exp_avg``, ``exp_avg_sq``) as torch's groups. These are what
-``deepshard.ops.adam.FusedAdam`` and ``deepshard.ops.adam.DeepSpeedCPUAdam`` (DeepSpeed's
+``deepspeed.ops.adam.FusedAdam`` and ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (DeepSpeed's
 names) resolve to.
 
 :class:`KernelAdam` steps with :func:`deepshard.kernels.adam.fused_adam_step` (the CUDA kernel

@@ -39,8 +39,8 @@ per module that directly owns the Linears:
   :func:`~.tensor.vocab_parallel_cross_entropy`. Everything else (norms, position
   embeddings, other Linears) is replicated. Tied weights stay tied when both ends split
   the same way, else both are replicated.
-- MoE layers (:func:`~deepshard.moe.groups.moe_module_names`: the gate, the experts, a
-  residual MLP) are left whole, replicated over the tensor-parallel group like a norm
+- MoE layers (:func:`~deepshard.runtime.parallel.expert_groups.moe_module_names`: the gate,
+  the experts, a residual MLP) are left whole, replicated over the tensor-parallel group like a norm
   (DeepSpeed's default, without expert tensor parallelism): the group's ranks route the
   same tokens and compute the same output; the expert-parallel groups are formed inside
   each data-parallel group (the ranks of one tensor-parallel rank).
@@ -78,8 +78,8 @@ from typing import Literal
 
 from torch import nn
 
-from ...errors import UsageError
-from .autotp_rules import (
+from deepshard.errors import UsageError
+from deepshard.runtime.parallel.autotp_rules import (
     COLUMN_ROLES,
     HEAD_NAMES,
     POSITION_EMBEDDING_NAMES,
@@ -93,15 +93,15 @@ from .autotp_rules import (
     leaf,
     role_of,
 )
-from .autotp_trial import trial_head_sharding
-from .tensor import (
+from deepshard.runtime.parallel.autotp_trial import trial_head_sharding
+from deepshard.runtime.parallel.tensor import (
     ColumnParallelLinear,
     Group,
     RowParallelLinear,
     VocabParallelEmbedding,
     tp_world_size,
 )
-from .tp_shards import ShardSpec, check_divisible
+from deepshard.runtime.parallel.tp_shards import ShardSpec, check_divisible
 
 Kind = Literal["column", "row", "vocab", "replicate"]
 
@@ -217,7 +217,7 @@ def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -
     if not isinstance(tp_size, int) or tp_size < 1:
         raise UsageError(f"tensor-parallel size must be a positive integer, not {tp_size!r}",
                          where="tensor_parallel.autotp_size", hint="set it to e.g. 2")
-    from ...moe.groups import moe_module_names
+    from deepshard.runtime.parallel.expert_groups import moe_module_names
 
     every = dict(model.named_modules())
     moe = moe_module_names(model)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError
-from .pipe_module import PipelineModule
-from .tied import TiedWeightGroups
-from .topology import ProcessGroups, Topology
+from deepshard.errors import UsageError
+from deepshard.runtime.parallel.pipe_module import PipelineModule
+from deepshard.runtime.parallel.tied import TiedWeightGroups
+from deepshard.runtime.parallel.topology import ProcessGroups, Topology
 
 logger = logging.getLogger("deepshard")
 
@@ -102,7 +102,7 @@ class Layout:
         excluded: set[int] = set()
         t = self.topology.tensor
         if t > 1:
-            from .autotp import apply_autotp, plan_autotp
+            from deepshard.runtime.parallel.autotp import apply_autotp, plan_autotp
 
             group = self.groups.tensor_group
             broadcast(module, group, t)
@@ -119,10 +119,10 @@ class Layout:
     def engine(self, parts):
         """The engine for this layout."""
         if self.pipeline:
-            from .pipe_engine import PipelineEngine
+            from deepshard.runtime.parallel.pipe_engine import PipelineEngine
 
             return PipelineEngine(parts, self.groups, self.tied)
-        from ..engine import DeepShardEngine
+        from deepshard.runtime.engine import DeepShardEngine
 
         return DeepShardEngine(parts)
 

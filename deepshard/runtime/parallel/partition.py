@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...errors import UsageError
+from deepshard.errors import UsageError
 
 __all__ = ["check_parts", "partition_layers", "partition_uniform"]
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError
-from ...liveness import heartbeat
-from ..engine import DeepShardEngine, EngineParts
-from ..loss_scaler import backward_factor
-from . import schedule as S
-from .pipe_module import PipelineModule
-from .tied import TiedWeightGroups
-from .topology import ProcessGroups
+from deepshard.errors import UsageError
+from deepshard.liveness import heartbeat
+from deepshard.runtime.engine import DeepShardEngine, EngineParts
+from deepshard.runtime.loss_scaler import backward_factor
+from deepshard.runtime.parallel import schedule as S
+from deepshard.runtime.parallel.pipe_module import PipelineModule
+from deepshard.runtime.parallel.tied import TiedWeightGroups
+from deepshard.runtime.parallel.topology import ProcessGroups
 
 HEADER = 8  # ndim, dtype code, up to six dims
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -85,7 +85,7 @@ class PipelineEngine(DeepShardEngine):
         it is given no iterator."""
         from torch.utils.data import DistributedSampler
 
-        from ..utils import RepeatingLoader
+        from deepshard.runtime.utils import RepeatingLoader
 
         sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size,
                                      rank=self.dp_rank, shuffle=False)

@@ -29,9 +29,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ...errors import UsageError
-from .partition import check_parts, partition_layers, partition_uniform
-from .topology import Topology
+from deepshard.errors import UsageError
+from deepshard.runtime.parallel.partition import check_parts, partition_layers, partition_uniform
+from deepshard.runtime.parallel.topology import Topology
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "layer_name", "layer_weights"]
 

@@ -34,8 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import UsageError
-from .tp_shards import ShardSpec, check_divisible, merge_shards, shard_tensor
+from deepshard.errors import UsageError
+from deepshard.runtime.parallel.tp_shards import (
+    ShardSpec,
+    check_divisible,
+    merge_shards,
+    shard_tensor,
+)
 
 Group = dist.ProcessGroup | None
 

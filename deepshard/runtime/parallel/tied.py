@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..teardown import keep
-from .topology import Topology
+from deepshard.comm.teardown import keep
+from deepshard.runtime.parallel.topology import Topology
 
 if TYPE_CHECKING:
-    from .pipe_module import PipelineModule
+    from deepshard.runtime.parallel.pipe_module import PipelineModule
 
 __all__ = ["TiedWeightGroups", "tied_rank_groups"]
 
@@ -69,7 +69,7 @@ class TiedWeightGroups:
         for key, rank_groups in tied_rank_groups(module.tied_groups(), topology).items():
             for members in rank_groups:
                 group = new_group(list(members))
-                keep(group)  # never destructed: see runtime/teardown.py
+                keep(group)  # never destructed: see comm/teardown.py
                 if rank in members:
                     ranks[key], groups[key] = members, group
         return cls(ranks, groups)

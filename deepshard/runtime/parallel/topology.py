@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from ...errors import UsageError
-from ..teardown import keep
+from deepshard.comm.teardown import keep
+from deepshard.errors import UsageError
 
 Axis = Literal["pipe", "data", "sequence", "tensor"]
 AXES: tuple[Axis, ...] = ("pipe", "data", "sequence", "tensor")
@@ -246,7 +246,7 @@ class ProcessGroups:
         for name, groups in plan:
             for ranks in groups:
                 group = new_group(list(ranks))
-                keep(group)  # never destructed: see runtime/teardown.py
+                keep(group)  # never destructed: see comm/teardown.py
                 if rank in ranks:
                     mine[name] = group
         return cls(topology, rank, mine["pipe"], mine["data"], mine["tensor"], mine["model"],

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import UsageError
+from deepshard.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Data-parallel strategies: the one interface the engine drives (:mod:`.base`) and
 stage 0's implementation (:mod:`.stage0`); ZeRO's is in :mod:`deepshard.runtime.zero`."""
 
-from .base import DataParallelStrategy
+from deepshard.runtime.strategy.base import DataParallelStrategy
 
 __all__ = ["DataParallelStrategy"]

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..precision import global_norm
+from deepshard.runtime.precision import global_norm
 
 
 class DataParallelStrategy(ABC):

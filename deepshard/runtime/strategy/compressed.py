@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
-from ..buckets import GradBuckets
-from ..precision import MasterWeights, global_norm
-from .stage0 import Stage0Strategy
+from deepshard.comm import collectives as comm
+from deepshard.runtime.buckets import GradBuckets
+from deepshard.runtime.precision import MasterWeights, global_norm
+from deepshard.runtime.strategy.stage0 import Stage0Strategy
 
 logger = logging.getLogger("deepshard")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError
+from deepshard.errors import UsageError
 
 
 def stage0_full(strategy, param: torch.Tensor, what: str, optimizer=None,
@@ -74,7 +74,7 @@ def _index(strategy, param: torch.Tensor) -> int:
 
 class ParamFragments:
     """What ``param._deepshard_strategy`` holds for each parameter an engine trains: its
-    strategy and optimizer, answering :mod:`deepshard.utils.tensor_fragment`'s calls."""
+    strategy and optimizer, answering :mod:`deepshard.runtime.tensor_fragment`'s calls."""
 
     def __init__(self, strategy, optimizer):
         self.strategy, self.optimizer = strategy, optimizer

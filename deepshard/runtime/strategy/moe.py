@@ -11,7 +11,7 @@ parallelism (its tokens come from every rank of the ep group through the all-to-
 same math at every ``ep_size`` and stage.
 
 The one optimizer holds every part's param groups (a group is dense or of one expert group
-only, :mod:`deepshard.runtime.build.moe`); each part sees only its own groups and their
+only, :mod:`deepshard.runtime.assembly.moe`); each part sees only its own groups and their
 state (:func:`narrowed`), so stepping, saving and restoring go through the parts' own code.
 
 The gradient norm counts every parameter once: each part's squared norm summed over the
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
-from ..checkpoint.by_name import Needed, copy_scalars, merge_groups
-from ..precision import global_norm
-from .base import DataParallelStrategy
-from .stage0 import Stage0Strategy
+from deepshard.comm import collectives as comm
+from deepshard.runtime.checkpoint.by_name import Needed, copy_scalars, merge_groups
+from deepshard.runtime.precision import global_norm
+from deepshard.runtime.strategy.base import DataParallelStrategy
+from deepshard.runtime.strategy.stage0 import Stage0Strategy
 
 
 @dataclass(frozen=True)

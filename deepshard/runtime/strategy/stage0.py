@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..buckets import GradBuckets
-from ..checkpoint.by_name import merge_groups, stage0_optimizer_state
-from ..precision import MasterWeights, global_norm
-from .base import DataParallelStrategy
+from deepshard.runtime.buckets import GradBuckets
+from deepshard.runtime.checkpoint.by_name import merge_groups, stage0_optimizer_state
+from deepshard.runtime.precision import MasterWeights, global_norm
+from deepshard.runtime.strategy.base import DataParallelStrategy
 
 
 class Stage0Strategy(DataParallelStrategy):

@@ -4,7 +4,7 @@ DeepSpeed's user-facing names live here: ``deepshard.zero.Init`` (build a model 
 partitioned) and ``deepshard.zero.GatheredParameters`` (whole parameters inside a block).
 """
 
-from .init import Init
-from .stage3 import GatheredParameters
+from deepshard.runtime.zero.init import Init
+from deepshard.runtime.zero.stage3 import GatheredParameters
 
 __all__ = ["GatheredParameters", "Init"]

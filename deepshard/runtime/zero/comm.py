@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
+from deepshard.comm import collectives as comm
 
 
 def reduce_by_all_reduce(pg: dist.ProcessGroup | None) -> bool:

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
-from .init import adopt
-from .partition import FlatLayout, ShardSpec
-from .swap import TensorSwapper
+from deepshard.comm import collectives as comm
+from deepshard.runtime.zero.init import adopt
+from deepshard.runtime.zero.partition import FlatLayout, ShardSpec
+from deepshard.runtime.zero.swap import TensorSwapper
 
 
 class FlatGroup:

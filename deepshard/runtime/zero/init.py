@@ -21,8 +21,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
-from .partition import ShardSpec
+from deepshard.comm import collectives as comm
+from deepshard.runtime.zero.partition import ShardSpec
 
 
 class Init(contextlib.AbstractContextManager):
@@ -43,7 +43,7 @@ class Init(contextlib.AbstractContextManager):
         self._apply = None
         if module is not None and enabled:  # an existing model: partition it now
             if not dist.is_initialized():
-                from ..distributed import init_distributed
+                from deepshard.comm.distributed import init_distributed
 
                 init_distributed(verbose=False)
             for m in module.modules():
@@ -53,7 +53,7 @@ class Init(contextlib.AbstractContextManager):
         if not self.enabled:
             return self
         if not dist.is_initialized():
-            from ..distributed import init_distributed
+            from deepshard.comm.distributed import init_distributed
 
             init_distributed(verbose=False)
         for cls in _subclasses(torch.nn.Module):

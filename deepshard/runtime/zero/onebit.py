@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
-from ..optim.onebit.compressed import compress_rows, decompress_rows
-from ..strategy.compressed import LocalGradients
-from .runtime import ZeroStrategy
-from .stage1 import Stage1Grads
+from deepshard.comm import collectives as comm
+from deepshard.runtime.optim.onebit.compressed import compress_rows, decompress_rows
+from deepshard.runtime.strategy.compressed import LocalGradients
+from deepshard.runtime.zero.runtime import ZeroStrategy
+from deepshard.runtime.zero.stage1 import Stage1Grads
 
 logger = logging.getLogger("deepshard")
 

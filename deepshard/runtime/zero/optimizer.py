@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .flat import FlatGroup
-from .swap import TensorSwapper
+from deepshard.runtime.zero.flat import FlatGroup
+from deepshard.runtime.zero.swap import TensorSwapper
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""ZeRO stages 1-3 as a data-parallel strategy: flat groups, the stage's gradient
-reduction, stage 3's parameter coordinator and the shard stepper.
+"""ZeRO stages 1-3 as a data-parallel strategy, composed of parts rather than branching on
+the stage: flat groups, a gradient reducer (:class:`~.reducer.GradientReducer`: stage 1's
+whole buffers or stage 2's reduce-into-shard), an optional parameter coordinator (stage 3
+gathers and releases parameters around each module) and the shard stepper.
 
-:func:`build_zero` plans and builds it (``deepshard.initialize`` calls it for stages 1-3);
-:class:`ZeroStrategy` implements :class:`~deepshard.runtime.strategy.DataParallelStrategy`
-over them.
+:func:`build_zero` builds it from a :class:`~.spec.ZeroSpec` (``deepshard.initialize``
+calls it for stages 1-3); :class:`ZeroStrategy` implements
+:class:`~deepshard.runtime.strategy.DataParallelStrategy` over the parts.
 """
 
 from __future__ import annotations
@@ -15,32 +17,34 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ...comm import collectives as comm
-from ..buckets import DEFAULT_BUCKET_BYTES
-from ..checkpoint import zero_shards
-from ..checkpoint.by_name import merge_groups
-from ..strategy.base import DataParallelStrategy
-from .flat import FlatGroup
-from .init import materialize
-from .optimizer import OffloadSpec, ShardStepper
-from .partition import layout, pieces, plan_groups
-from .stage1 import Stage1Grads
-from .stage2 import Stage2Grads
-from .stage3 import ParamCoordinator, Unit, plan_units
-from .swap import TensorSwapper
+from deepshard.comm import collectives as comm
+from deepshard.runtime.buckets import DEFAULT_BUCKET_BYTES
+from deepshard.runtime.checkpoint import zero_shards
+from deepshard.runtime.checkpoint.by_name import merge_groups
+from deepshard.runtime.strategy.base import DataParallelStrategy
+from deepshard.runtime.zero.flat import FlatGroup
+from deepshard.runtime.zero.init import materialize
+from deepshard.runtime.zero.optimizer import ShardStepper
+from deepshard.runtime.zero.partition import layout, pieces, plan_groups
+from deepshard.runtime.zero.reducer import GradientReducer
+from deepshard.runtime.zero.spec import ZeroSpec
+from deepshard.runtime.zero.stage1 import Stage1Grads
+from deepshard.runtime.zero.stage2 import Stage2Grads
+from deepshard.runtime.zero.stage3 import ParamCoordinator, Unit, plan_units
+from deepshard.runtime.zero.swap import TensorSwapper
 
 
 @dataclass(eq=False)
 class ZeroStrategy(DataParallelStrategy):
     """What the engine drives at ZeRO stages 1-3."""
 
-    stage: int
+    stage: int  # reported (getters, checkpoints): the parts below decide behaviour
     params: tuple[torch.nn.Parameter, ...]
     names: tuple[str, ...]
     group: dist.ProcessGroup | None
     world: int
     groups: list[FlatGroup]
-    grads: Stage1Grads | Stage2Grads
+    grads: GradientReducer
     stepper: ShardStepper
     coordinator: ParamCoordinator | None
     opt_groups: list[list[int]]  # flat group indices per optimizer param group
@@ -50,34 +54,26 @@ class ZeroStrategy(DataParallelStrategy):
 
     @property
     def partitions_params(self) -> bool:
-        return self.stage == 3
+        return self.coordinator is not None
 
     # -- backward ---------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self.grads.begin_backward(boundary)
 
     def begin_passive(self) -> None:
-        if isinstance(self.grads, Stage2Grads):
-            self.grads.begin_passive()
-        else:
-            self.grads.begin_backward(False)
+        self.grads.begin_passive()
 
     def end_backward(self, boundary: bool) -> None:
-        """After autograd: stage 1 waits for its reductions at a boundary; stages 2-3
-        reduced during backward and fold the results now."""
-        self.grads.end_backward()
-        if self.stage == 1 and boundary:
-            self.grads.finish()
+        """After autograd: the reducer completes what this backward owes; the coordinator
+        releases what it gathered."""
+        self.grads.finish_backward(boundary)
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
     def abort_backward(self) -> None:
         """Autograd raised: drop staged gradients and gathered units, launch nothing more
         (the other ranks' collectives would not match)."""
-        if isinstance(self.grads, Stage2Grads):
-            self.grads.abort_backward()
-        else:
-            self.grads.end_backward()
+        self.grads.abort_backward()
         if self.coordinator is not None:
             self.coordinator.end_backward()
 
@@ -177,63 +173,65 @@ class ZeroStrategy(DataParallelStrategy):
         return missing
 
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:
-        if self.stage != 3:
+        if self.coordinator is None:
             return []
         return [g.params for g in (*self.groups, *self.frozen_groups) if g.partitioned]
 
 
-def build_zero(cfg, module: torch.nn.Module, names: Sequence[str],
+def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
                params: Sequence[torch.nn.Parameter], opt_members: Sequence[Sequence[int]],
                pg: dist.ProcessGroup | None, world: int, rank: int,
                comm_dtype: torch.dtype | None) -> ZeroStrategy:
     """Shard ``params`` (trainable, registration order; ``opt_members`` lists the indices
-    of each optimizer param group) the way ``cfg.zero_optimization`` asks."""
-    z = cfg.zero_optimization
-    stage = z.stage
+    of each optimizer param group) the way ``spec`` asks (stages 1-3)."""
     size = params[0].element_size() if params else 4
     # buckets no bigger than DDP's, so that reduction overlaps backward (DeepSpeed's
     # default reduce_bucket_size, 5e8, would make one bucket reduced after backward)
-    cap = max(1, min(z.reduce_bucket_size, DEFAULT_BUCKET_BYTES // size))
-    numels = [numel_of(p) for p in params]
-    units_plan, unit_members = None, ()
-    if stage == 3:
-        units_plan = plan_units(module, names)
+    cap = max(1, min(spec.reduce_bucket_size, DEFAULT_BUCKET_BYTES // size))
+    units_plan = plan_units(module, names) if spec.shards_parameters else None
+    unit_members: Sequence[Sequence[int]] = ()
+    if units_plan is not None:
         index = {n: i for i, n in enumerate(names)}
         unit_members = [[index[n] for n in members] for members in units_plan.params]
-    plans = plan_groups(numels, [p.dtype for p in params], opt_members, cap, unit_members,
-                        z.stage3_param_persistence_threshold if stage == 3 else 0)
-    make = _GroupMaker.from_config(z if stage == 3 else None, world, rank, pg)
+    plans = plan_groups([numel_of(p) for p in params], [p.dtype for p in params],
+                        opt_members, cap, unit_members, spec.persistence_threshold)
+    make = _GroupMaker.from_spec(spec, world, rank, pg)
     groups = [make([params[i] for i in plan.params], [names[i] for i in plan.params], plan,
                    f"group{k}") for k, plan in enumerate(plans)]
-    frozen_groups, frozen_units = _frozen_groups(module, params, cap, z, make) \
-        if stage == 3 else ([], [])
+    frozen_groups, frozen_units = _frozen_groups(module, params, cap, spec, make) \
+        if units_plan is not None else ([], [])
     materialize(module)  # zero.Init parameters that no group took (small frozen ones)
     coordinator = None
-    if stage == 3:
+    if units_plan is not None:
         units = [Unit(u, module.get_submodule(name),
                       [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u],
                       [g for g, fu in zip(frozen_groups, frozen_units, strict=True) if fu == u])
                  for u, name in enumerate(units_plan.modules)]
         coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
-                                       z.stage3_prefetch_bucket_size,
-                                       z.stage3_max_live_parameters,
-                                       z.stage3_max_reuse_distance)
-    if stage == 1:
-        grads = Stage1Grads(params, groups, pg, world, comm_dtype, names)
-    else:
-        grads = Stage2Grads(params, groups, pg, world, comm_dtype, names, z.overlap_comm,
-                            cap, coordinator.on_grads_staged if coordinator else None)
-    half = cfg.fp16.enabled or cfg.bf16.enabled
-    stepper = ShardStepper(groups, half, OffloadSpec.from_config(z.offload_optimizer), pg,
-                           world, rank)
+                                       spec.prefetch_bucket_size, spec.max_live_parameters,
+                                       spec.max_reuse_distance)
+    grads = _reducer(spec, params, groups, pg, world, comm_dtype, names, cap, coordinator)
+    stepper = ShardStepper(groups, spec.half, spec.offload_optimizer, pg, world, rank)
     opt_groups = [[k for k, plan in enumerate(plans) if plan.opt_group == o]
                   for o in range(len(opt_members))]
     trainable = {id(p) for p in params}
     whole = sum(p.numel() * p.element_size() for p in module.parameters()
                 if id(p) not in trainable and not hasattr(p, "ds_group"))
-    return ZeroStrategy(stage, tuple(params), tuple(names), pg, world, groups, grads,
+    return ZeroStrategy(spec.stage, tuple(params), tuple(names), pg, world, groups, grads,
                         stepper, coordinator, opt_groups, whole, make.swapper,
                         frozen_groups)
+
+
+def _reducer(spec: ZeroSpec, params: Sequence[torch.nn.Parameter], groups: list[FlatGroup],
+             pg: dist.ProcessGroup | None, world: int, comm_dtype: torch.dtype | None,
+             names: Sequence[str], cap: int, coordinator: ParamCoordinator | None
+             ) -> GradientReducer:
+    """Stage 1's whole buffers, or the reduce-into-shard of stages 2-3 (which tells the
+    coordinator when a unit's gradients are staged)."""
+    if not spec.shards_gradients:
+        return Stage1Grads(params, groups, pg, world, comm_dtype, names)
+    return Stage2Grads(params, groups, pg, world, comm_dtype, names, spec.overlap_comm, cap,
+                       coordinator.on_grads_staged if coordinator else None)
 
 
 @dataclass(frozen=True)
@@ -249,10 +247,10 @@ class _GroupMaker:
     swapper: TensorSwapper | None = None
 
     @classmethod
-    def from_config(cls, z, world: int, rank: int, pg) -> _GroupMaker:
-        """``z``: the zero_optimization section at stage 3 (else ``None``: no offload)."""
-        offload = z.offload_param if z is not None and z.offload_param else None
-        if offload is None or offload.device not in ("cpu", "nvme"):
+    def from_spec(cls, spec: ZeroSpec, world: int, rank: int, pg) -> _GroupMaker:
+        """Shards on the training device, or where ``offload_param`` puts them."""
+        offload = spec.offload_param
+        if offload.device not in ("cpu", "nvme"):
             return cls(world, rank, pg)
         swapper = TensorSwapper(offload.nvme_path, rank, "params") \
             if offload.device == "nvme" else None
@@ -269,7 +267,7 @@ class _GroupMaker:
 
 
 def _frozen_groups(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], cap: int,
-                   z, make: _GroupMaker) -> tuple[list[FlatGroup], list[int | None]]:
+                   spec: ZeroSpec, make: _GroupMaker) -> tuple[list[FlatGroup], list[int | None]]:
     """Stage 3's partitioned groups of frozen parameters and the unit of each (those under
     the persistence threshold stay whole on every rank)."""
     names, frozen = _frozen(module, params)
@@ -277,7 +275,7 @@ def _frozen_groups(module: torch.nn.Module, params: Sequence[torch.nn.Parameter]
     members = [[index[n] for n in unit] for unit in plan_units(module, names).params]
     plans = [plan for plan in plan_groups(
         [numel_of(p) for p in frozen], [p.dtype for p in frozen], [list(range(len(frozen)))],
-        cap, members, z.stage3_param_persistence_threshold) if plan.partitioned]
+        cap, members, spec.persistence_threshold) if plan.partitioned]
     groups = [make([frozen[i] for i in plan.params], [names[i] for i in plan.params], plan,
                    f"frozen{k}") for k, plan in enumerate(plans)]
     return groups, [plan.unit for plan in plans]

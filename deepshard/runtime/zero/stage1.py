@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..buckets import BucketLayout, GradBuckets
-from .comm import reduce_by_all_reduce, reduce_into_shard
-from .flat import FlatGroup
+from deepshard.runtime.buckets import BucketLayout, GradBuckets
+from deepshard.runtime.zero.comm import reduce_by_all_reduce, reduce_into_shard
+from deepshard.runtime.zero.flat import FlatGroup
 
 
 class Stage1Grads(GradBuckets):
@@ -30,6 +30,20 @@ class Stage1Grads(GradBuckets):
                    for g in self.groups]
         super().__init__(params, layouts, pg, world, comm_dtype, names)
         self.all_reduce = world > 1 and reduce_by_all_reduce(pg)
+
+    def begin_passive(self) -> None:
+        """Another engine's backward reaches these parameters: they accumulate."""
+        self.begin_backward(False)
+
+    def finish_backward(self, boundary: bool) -> None:
+        """After autograd: at a boundary, wait for the reductions it launched."""
+        self.end_backward()
+        if boundary:
+            self.finish()
+
+    def abort_backward(self) -> None:
+        """Autograd raised: stop accepting gradients (nothing was staged apart)."""
+        self.end_backward()
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's slice of every group's (reduced) gradients."""

@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError
-from ..backward import outside_error
-from ..hooks import weak_hook
-from .comm import reduce_by_all_reduce, reduce_into_shard
-from .flat import FlatGroup
+from deepshard.errors import UsageError
+from deepshard.runtime.backward import outside_error
+from deepshard.runtime.hooks import weak_hook
+from deepshard.runtime.zero.comm import reduce_by_all_reduce, reduce_into_shard
+from deepshard.runtime.zero.flat import FlatGroup
 
 
 class StagingPool:
@@ -122,6 +122,11 @@ class Stage2Grads:
             self._passive = False
             return
         self.finish()
+
+    def finish_backward(self, boundary: bool) -> None:
+        """After autograd: every backward reduced during itself; fold the results."""
+        del boundary
+        self.end_backward()
 
     def reduce_all(self) -> None:
         """Reduce the gradients passive backwards left in ``.grad`` (at a step)."""

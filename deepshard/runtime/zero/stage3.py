@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .flat import FlatGroup
-from .init import init_gather, init_repartition
+from deepshard.runtime.zero.flat import FlatGroup
+from deepshard.runtime.zero.init import init_gather, init_repartition
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 

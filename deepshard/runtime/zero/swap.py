@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ...contract import RUN_ID
-from ...errors import UsageError
+from deepshard.contract import RUN_ID
+from deepshard.errors import UsageError
 
 CHUNK = 64 << 20
 

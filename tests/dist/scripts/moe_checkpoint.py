@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 import deepshard
-from deepshard.utils import (
+from deepshard.runtime.checkpoint.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
+from deepshard.runtime.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
-)
-from deepshard.utils.zero_to_fp32 import (
-    convert_zero_checkpoint_to_fp32_state_dict,
-    get_fp32_state_dict_from_zero_checkpoint,
 )
 
 N, M, K, RANKS = 3, 2, 2, 4  # steps per phase; micro-batches per global batch

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from deepshard.moe.layer import MoE
-from deepshard.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepshard.runtime.parallel.expert_params import (
+    split_params_into_different_moe_groups_for_optimizer,
+)
 
 H, E, MICRO, SEQ, LR = 8, 4, 2, 8, 0.05
 EXPERT = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")

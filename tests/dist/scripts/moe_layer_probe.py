@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import deepshard
 from deepshard.errors import UsageError
-from deepshard.moe import groups
 from deepshard.moe.layer import MoE
+from deepshard.runtime.parallel import expert_groups as groups
 
 M, E = 8, 4
 

@@ -1,4 +1,4 @@
-"""``deepshard.checkpoint.utils`` (``deepspeed.checkpoint.utils``)."""
+"""``deepshard.runtime.checkpoint.clone`` (``deepspeed.checkpoint.utils``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from deepshard.checkpoint.utils import clone_tensors_for_torch_save
+from deepshard.runtime.checkpoint.clone import clone_tensors_for_torch_save
 from deepshard.runtime.lr_schedules import SCHEDULERS, VALID_LR_SCHEDULES
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from deepshard.comm.config import CommsLoggerConfig
 from deepshard.comm.settings import configure, configure_from_config
+from deepshard.config.schema_base import KeyLog, Section, doc
 from deepshard.errors import UsageError
-from deepshard.runtime.config.schema_base import KeyLog, Section, doc
 
 
 def test_defaults_are_deepspeeds():

@@ -1,11 +1,12 @@
-"""``deepshard.moe.utils`` (``deepspeed.moe.utils``): expert parameters kept apart."""
+"""``deepshard.runtime.parallel.expert_params`` (``deepspeed.moe.utils``): expert parameters
+kept apart."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepshard.moe.utils import (
+from deepshard.runtime.parallel.expert_params import (
     is_moe_param,
     is_moe_param_group,
     split_params_into_different_moe_groups_for_optimizer,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from deepshard.config import load_config
 from deepshard.errors import UsageError
-from deepshard.runtime.config import load_config
 
 
 def load(data):

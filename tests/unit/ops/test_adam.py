@@ -1,4 +1,4 @@
-"""``deepshard.ops.adam``: DeepSpeed's ``FusedAdam`` and ``DeepSpeedCPUAdam`` constructors on
+"""``deepspeed.ops.adam``: DeepSpeed's ``FusedAdam`` and ``DeepSpeedCPUAdam`` constructors on
 torch's fused Adam, step for step equal to torch's ``AdamW`` / ``Adam`` (fp32, 1e-6), with
 DeepSpeed's ``bias_correction=False``, ``set_grad_none`` and refusals; and as a client
 optimizer of ``deepshard.initialize`` at every ZeRO stage."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deepshard
-from deepshard.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepshard.runtime.optim.adam import DeepSpeedCPUAdam, FusedAdam
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

@@ -1,4 +1,4 @@
-"""``deepshard.ops.lamb.FusedLamb``: DeepSpeed's constructor over deepshard's LAMB, step for
+"""``deepspeed.ops.lamb.FusedLamb``: DeepSpeed's constructor over deepshard's LAMB, step for
 step equal to :func:`deepshard.kernels.lamb.lamb_reference` and to the runtime's ``Lamb``."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from deepshard.kernels.lamb import clip_divisor, lamb_reference
-from deepshard.ops.lamb import FusedLamb
-from deepshard.runtime.optim.lamb import Lamb
+from deepshard.runtime.optim.lamb import FusedLamb, Lamb
 
 HP = dict(lr=2e-2, betas=(0.85, 0.99), eps=1e-6, weight_decay=0.05, max_grad_norm=1.0,
           max_coeff=5.0, min_coeff=0.02)

@@ -1,4 +1,4 @@
-"""``deepshard.profiling.flops_profiler``: ``get_model_profile``'s return values and strings as
+"""``deepshard.runtime.flops_profiler_api``: ``get_model_profile``'s return values and strings as
 DeepSpeed 0.19.8 gives them, and DeepSpeed's ``FlopsProfiler`` start/stop API.
 
 MACs and params below are the numbers DeepSpeed 0.19.8 reports for these models (run with
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepshard.profiling.flops_profiler import (
+from deepshard.runtime.flops_profiler_api import (
     FlopsProfiler,
     duration_to_string,
     flops_to_string,

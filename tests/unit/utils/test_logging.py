@@ -1,4 +1,4 @@
-"""``deepshard.utils.logger`` / ``log_dist``: DeepSpeed's rank prefix and rank selection."""
+"""``deepshard.runtime.logs.logger`` / ``log_dist``: DeepSpeed's rank prefix and rank selection."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-import deepshard.utils
-from deepshard.utils import log_dist, log_dist_once, set_log_level_from_string
+import deepshard.runtime.logs
+from deepshard.runtime.logs import log_dist, log_dist_once, set_log_level_from_string
 
 
 def messages(caplog) -> list[str]:
@@ -15,7 +15,7 @@ def messages(caplog) -> list[str]:
 
 
 def test_logger_is_the_runtimes():
-    assert deepshard.utils.logger is logging.getLogger("deepshard")
+    assert deepshard.runtime.logs.logger is logging.getLogger("deepshard")
 
 
 def test_without_a_process_group_every_call_logs_as_rank_minus_one(caplog):

@@ -1,13 +1,14 @@
-"""``deepshard.utils`` ``safe_*`` parameter API: DeepSpeed's answers for a parameter no engine
-manages, and for a managed one the calls its strategy (``param._deepshard_strategy``) gets."""
+"""``deepshard.runtime.tensor_fragment`` ``safe_*`` parameter API: DeepSpeed's answers for a
+parameter no engine manages, and for a managed one the calls its strategy
+(``param._deepshard_strategy``) gets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepshard import utils
 from deepshard.errors import UsageError
+from deepshard.runtime import tensor_fragment as utils
 
 
 def test_an_unmanaged_parameter_gets_deepspeeds_answers():

@@ -1,5 +1,6 @@
-"""``deepshard.utils.zero_to_fp32`` on real deepshard checkpoints (one process, stages 0 and
-2): DeepSpeed's functions, the files it writes, and the script next to the checkpoints."""
+"""``deepshard.runtime.checkpoint.zero_to_fp32`` on real deepshard checkpoints (one process,
+stages 0 and 2): DeepSpeed's functions, the files it writes, and the script next to the
+checkpoints."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 import deepshard
 from deepshard.errors import UsageError
-from deepshard.utils import zero_to_fp32 as z
+from deepshard.runtime.checkpoint import zero_to_fp32 as z
 
 
 class Tiny(nn.Module):

@@ -1,1 +1,0 @@
-"""``deepspeed.profiling`` under deepshard's name: the flops profiler (:mod:`.flops_profiler`)."""
