@@ -8,6 +8,10 @@ to ``deepshard.init_distributed`` imports :mod:`deepshard.runtime`, and with it 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the lazy names deepshard itself calls, as type checkers see them
+    from deepshard.runtime.api import initialize as initialize
 
 __version__ = "0.1.0"
 

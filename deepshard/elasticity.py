@@ -105,6 +105,7 @@ def _v01(micros: tuple[int, ...], cap: float, lo: int | None, hi: int | None,
                          hint="drop the larger micro batch sizes or raise "
                               "max_train_batch_size")
     lcm = math.lcm(*micros)
+    best_valid: tuple[int, ...]
     best, best_valid, count = min(micros), (), 0
     for batch in _candidates([*micros, lcm], int(cap)):
         valid = _valid_gpus(batch, micros, lo, hi)
@@ -200,7 +201,7 @@ def fits_batch(train_batch_size: int, micro_batch: int, world_size: int) -> bool
     return world_size > 0 and train_batch_size % (micro_batch * world_size) == 0
 
 
-_FIELDS = {
+_FIELDS: dict[str, type | tuple[type, ...]] = {
     "enabled": bool, "max_train_batch_size": int, "micro_batch_sizes": list,
     "min_gpus": int, "max_gpus": int, "min_time": (int, float), "version": (int, float),
     "prefer_larger_batch": bool, "ignore_non_elastic_batch_info": bool,

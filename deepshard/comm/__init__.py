@@ -15,6 +15,14 @@ import.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the lazy names deepshard itself calls, as type checkers see them
+    from deepshard.comm.collectives import all_gather as all_gather
+    from deepshard.comm.collectives import all_to_all_single as all_to_all_single
+    from deepshard.comm.process_group import get_rank as get_rank
+    from deepshard.comm.process_group import get_world_size as get_world_size
+    from deepshard.comm.settings import configure as configure
 
 _BY_MODULE = {
     "deepshard.comm.process_group": (

@@ -16,6 +16,7 @@ import os
 import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 from deepshard.comm import teardown
 from deepshard.errors import UsageError, install_exit_hooks
@@ -204,7 +205,7 @@ def init_distributed(
         environ = {k: v for k, v in environ.items() if not k.startswith("OMPI_COMM_WORLD_")}
     dist_env = resolve_dist_env(environ, default_port=distributed_port)
     if rank != -1 or world_size != -1:
-        overrides: dict[str, object] = {
+        overrides: dict[str, Any] = {
             "rank": dist_env.rank if rank == -1 else rank,
             "world_size": dist_env.world_size if world_size == -1 else world_size}
         if dist_env.source == "single" and not environ.get("MASTER_PORT"):

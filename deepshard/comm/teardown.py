@@ -102,7 +102,7 @@ def thread_names() -> list[str]:
 
 
 def _threads() -> list[tuple[str, str]]:
-    found = []
+    found: list[tuple[str, str]] = []
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

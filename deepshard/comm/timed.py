@@ -16,9 +16,12 @@ import inspect
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from deepshard.comm.logger import comms_logger
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,7 +94,7 @@ def _nbytes(tensor: Any) -> int:
 
 def caller_name() -> str:
     """The name of the function that called into ``deepshard.comm`` (for ``debug``)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(
             "deepshard.comm"):
         frame = frame.f_back

@@ -176,7 +176,9 @@ class _StrictDecoder(json.JSONDecoder):
         self.scan_once = py_make_scanner(self)
 
     @staticmethod
-    def _parse_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+    def _parse_object(s_and_end: tuple[str, int], strict: bool, scan_once: Any,
+                      object_hook: Any, object_pairs_hook: Any,
+                      memo: dict[str, str] | None = None) -> tuple[dict[str, Any], int]:
         text, start = s_and_end
         pairs, end = JSONObject(s_and_end, strict, scan_once, None, list, memo)
         seen: set[str] = set()
@@ -233,7 +235,7 @@ class _StrictYamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader with duplicate keys an error, and ``5e8`` read as a number (YAML
     1.1 needs a dot in floats; config files are written as in JSON)."""
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: dict[object, yaml.Mark] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)

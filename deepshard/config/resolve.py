@@ -136,7 +136,8 @@ def model_hidden_size(model: Any) -> int | None:
         hidden = max(sizes) if isinstance(sizes, (list, tuple)) and sizes else None
     if _positive_int(hidden):
         return hidden
-    counts = Counter(tuple(p.shape)[-1] for p in model.parameters() if len(p.shape) == 2)
+    counts: Counter[int] = Counter(tuple(p.shape)[-1] for p in model.parameters()
+                                   if len(p.shape) == 2)
     if not counts:
         return None
     return max(counts, key=lambda dim: (counts[dim], dim))

@@ -192,7 +192,8 @@ def unknown_key_error(section: type[Section], key: str, log: KeyLog) -> UsageErr
 # Pydantic's lax mode would take true as 1 and 5.5 as a float where an int is meant; these
 # types keep JSON's 5e8 working as an integer but refuse booleans, with DeepSpeed-style wording.
 
-def _number(kind: str, *, integer: bool, low: float | None = None, strict_low: bool = False):
+def _number(kind: str, *, integer: bool, low: float | None = None,
+            strict_low: bool = False) -> BeforeValidator:
     def check(value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise PydanticCustomError("expected", "expected {kind}", {"kind": kind})
@@ -238,7 +239,7 @@ def _bool_check(value: Any) -> Any:
 Bool = Annotated[bool, BeforeValidator(_bool_check)]
 
 
-def one_of(*accepted: str, case_insensitive: bool = False):
+def one_of(*accepted: str, case_insensitive: bool = False) -> BeforeValidator:
     """A before-validator for a string choice; with ``case_insensitive`` the canonical
     spelling of ``accepted`` is stored."""
     def check(value: Any) -> Any:

@@ -9,6 +9,7 @@ mean". ``params`` is validated by the params model of the type.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal
@@ -221,13 +222,13 @@ class OptimizerConfig(Section):
         default_factory=AdamWParams)
 
     @classmethod
-    def params_model(cls, given: object) -> type[Section] | None:
+    def params_model(cls, given: object) -> builtins.type[Section] | None:
         """The params model of optimizer type ``given``, if it is supported."""
         name = _canonical(given, OPTIMIZER_PARAMS) if isinstance(given, str) else None
         return OPTIMIZER_PARAMS.get(name) if name else None
 
     @classmethod
-    def section_of(cls, key: str, data: dict[str, Any]) -> type[Section] | None:
+    def section_of(cls, key: str, data: dict[str, Any]) -> builtins.type[Section] | None:
         return cls.params_model(data.get("type")) if key == "params" else None
 
     @classmethod
@@ -367,12 +368,12 @@ class SchedulerConfig(Section):
         default_factory=WarmupLRParams)
 
     @classmethod
-    def params_model(cls, given: object) -> type[Section] | None:
+    def params_model(cls, given: object) -> builtins.type[Section] | None:
         """The params model of schedule type ``given``, if it is supported."""
         return SCHEDULER_PARAMS.get(given) if isinstance(given, str) else None
 
     @classmethod
-    def section_of(cls, key: str, data: dict[str, Any]) -> type[Section] | None:
+    def section_of(cls, key: str, data: dict[str, Any]) -> builtins.type[Section] | None:
         return cls.params_model(data.get("type")) if key == "params" else None
 
     @classmethod

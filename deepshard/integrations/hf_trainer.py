@@ -38,6 +38,7 @@ import logging
 import os
 import warnings
 from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -63,6 +64,9 @@ class TrainingArguments(transformers.TrainingArguments):
     value given. Accelerate is set up in its plain distributed mode.
     """
 
+    if TYPE_CHECKING:  # transformers' field (its classes are Any to mypy)
+        deepspeed: Any
+
     def __post_init__(self):
         source = self.deepspeed
         self.deepspeed = None  # transformers' branch would need the deepspeed package
@@ -79,7 +83,7 @@ class TrainingArguments(transformers.TrainingArguments):
     def _setup_devices(self) -> torch.device:
         saved, self.deepspeed = self.deepspeed, None  # Accelerate's plain distributed mode
         try:
-            return transformers.TrainingArguments._setup_devices.func(self)  # type: ignore[attr-defined]
+            return transformers.TrainingArguments._setup_devices.func(self)
         finally:
             self.deepspeed = saved
 
@@ -142,6 +146,13 @@ class Trainer(transformers.Trainer):
     After ``train()`` starts, ``trainer.deepspeed`` and ``trainer.model_wrapped`` are the
     engine and ``trainer.model`` the HF model, as with DeepSpeed.
     """
+
+    if TYPE_CHECKING:  # transformers' attributes and ours (its classes are Any to mypy)
+        deepspeed: Any
+        lr_scheduler: Any
+        _created_lr_scheduler: bool
+        _engine_steps: int | None
+        _sp_groups: Any
 
     # -- setup ---------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -250,7 +261,7 @@ class Trainer(transformers.Trainer):
 
     def _attach(self, engine) -> None:
         self.model_wrapped = self.deepspeed = engine
-        self.accelerator.engine = engine  # type: ignore[attr-defined]
+        self.accelerator.engine = engine
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         """Evaluation goes through the engine (built for inference when ``evaluate()``

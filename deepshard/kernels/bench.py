@@ -16,6 +16,6 @@ class BenchCase:
 
     name: str
     bytes_moved: int
-    ours: Callable[[], object]
-    torch: Callable[[], object]
+    ours: Callable[..., object]  # no arguments (lambdas binding theirs as defaults)
+    torch: Callable[..., object]
     torch_label: str

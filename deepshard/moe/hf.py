@@ -62,8 +62,8 @@ class HFExpert(nn.Module):
                                          requires_grad=gate_up.requires_grad)
         self.down_proj = nn.Parameter(down.detach().clone(), requires_grad=down.requires_grad)
         for param in (self.gate_up_proj, self.down_proj):
-            param.allreduce = False  # type: ignore[attr-defined]
-            param.group_name = name  # type: ignore[attr-defined]
+            param.allreduce = False
+            param.group_name = name
 
 
 class HFExpertParallel(MOELayer):
@@ -83,7 +83,7 @@ class HFExpertParallel(MOELayer):
         num_experts = gate_up.shape[0]
         check_sizes(num_experts, ep_size)
         name = group_name(ep_size)
-        super().__init__(None, nn.ModuleList(), name, ep_size,  # type: ignore[arg-type]
+        super().__init__(None, nn.ModuleList(), name, ep_size,
                          num_experts // ep_size)
         self.act_fn = experts.act_fn
         self.hidden_dim = gate_up.shape[2]
@@ -104,7 +104,7 @@ class HFExpertParallel(MOELayer):
             self.experts.append(HFExpert(gate_up[g], down[g], self.ep_group_name))
         self._full = None
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor,  # type: ignore[override]
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor,
                 top_k_weights: Tensor) -> Tensor:
         """The HF experts' output for ``[S, H]`` tokens routed by the HF router."""
         if self._full is not None:

@@ -40,7 +40,10 @@ class MonitorMaster(Monitor):
         from deepshard.monitor import utils
 
         self.enabled = monitor_config.enabled
-        self.tb_monitor = self.wandb_monitor = self.csv_monitor = self.comet_monitor = None
+        self.tb_monitor: Monitor | None = None
+        self.wandb_monitor: Monitor | None = None
+        self.csv_monitor: Monitor | None = None
+        self.comet_monitor: Monitor | None = None
         for section in ("tensorboard", "wandb", "comet"):
             if getattr(monitor_config, section).enabled:
                 utils.require(section)

@@ -143,7 +143,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None,
         UsageError: the config file or section is unreadable or invalid (with its key path).
     """
     config = _from_deepspeed_config(deepspeed_config)
-    overrides = {
+    overrides: dict[str, Any] = {
         "partition_activations": partition_activations,
         "contiguous_memory_optimization": contiguous_checkpointing,
         "number_checkpoints": num_checkpoints,

@@ -215,7 +215,7 @@ NO_EFFECT = {
 
 
 def _no_effect(cfg) -> list[str]:
-    found = []
+    found: list[str] = []
     for section, keys in NO_EFFECT.items():
         node = getattr(cfg, section) if section else cfg
         found.extend(f"{section}.{k}" if section else k for k in keys

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,7 @@ class GradBuckets:
         self._ready = [False] * len(self.params)
         self._pending: list[int] = []
         self._next = 0
-        self._works: list[tuple[object, torch.Tensor, int]] = []
+        self._works: list[tuple[Any, torch.Tensor, int]] = []  # (Work, wire, bucket)
         self._hooks = []
         bucket_of = {i: b for b, layout in enumerate(self.layouts) for i in layout.params}
         for i, p in enumerate(self.params):
@@ -151,7 +152,7 @@ class GradBuckets:
         if not self._active:
             raise outside_error(self.names[i])
         self.unreduced = True
-        view = self.views[i]
+        view = cast(torch.Tensor, self.views[i])  # hooked parameters have one
         if param.grad is not view:
             # the user set grads to None (optimizer.zero_grad()): put them back in the bucket
             view.copy_(param.grad)

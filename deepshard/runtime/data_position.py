@@ -46,16 +46,16 @@ class ResumableSampler(DistributedSampler):
     def __len__(self) -> int:
         if not self._skip:
             return super().__len__()
-        left = max(0, len(self.dataset) - self._skip)  # type: ignore[arg-type]
+        left = max(0, len(self.dataset) - self._skip)
         rounding = math.floor if self.drop_last else math.ceil
         return rounding(left / self.num_replicas)
 
     def _order(self) -> list[int]:
         if not self.shuffle:
-            return list(range(len(self.dataset)))  # type: ignore[arg-type]
+            return list(range(len(self.dataset)))
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

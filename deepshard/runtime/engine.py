@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ from deepshard.runtime.precision import clip_
 from deepshard.runtime.strategy import DataParallelStrategy
 from deepshard.runtime.strategy.fragments import ParamFragments
 from deepshard.runtime.zero.spec import ZeroSpec
+
+if TYPE_CHECKING:
+    from deepshard.config.schema import DeepShardConfig
 
 logger = logging.getLogger("deepshard")
 
@@ -68,10 +72,10 @@ class EngineParts:
     """Everything :class:`DeepShardEngine` sequences, built by ``deepshard.initialize``."""
 
     module: torch.nn.Module
-    config: object
+    config: DeepShardConfig
     strategy: DataParallelStrategy
     optimizer: torch.optim.Optimizer | None
-    lr_scheduler: object | None
+    lr_scheduler: Any  # a torch LR scheduler, or None
     loss_scaler: object | None
     rank: int
     dp_rank: int
@@ -109,7 +113,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self._profiler_factory = parts.profiler_factory
         self._grad_norm: float | None = None
         self._step_applied = False
-        self._profiler = None
+        self._profiler: Any = None  # a FlopsProfiler once the profile step starts
         self._profile_printed = False
         self._boundary_override: bool | None = None
         self._no_sync = False
@@ -306,6 +310,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
     def _skip_on_overflow(self) -> bool:
         """fp16: update the loss scale; True when the gradients overflowed (the step is
         skipped on every rank: the norm is the same everywhere)."""
+        assert self._grad_norm is not None  # set by _apply() just before
         overflow = not math.isfinite(self._grad_norm)
         before = self.loss_scaler.loss_scale
         self.loss_scaler.update_scale(overflow)

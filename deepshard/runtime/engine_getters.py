@@ -8,22 +8,30 @@ it reads only ``self._config``, ``self.counters``, ``self.optimizer``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
+    from deepshard.config.schema import DeepShardConfig
+    from deepshard.runtime.engine import Counters
+    from deepshard.runtime.engine_monitor import EngineMonitor
     from deepshard.runtime.zero.spec import ZeroSpec
 
 
 class EngineGetters:
     """The read-only part of DeepSpeed's engine API (see the module docstring)."""
 
-    _config: object
+    _config: DeepShardConfig
     _zero: ZeroSpec
-    counters: object
-    optimizer: object
-    loss_scaler: object
+    counters: Counters
+    optimizer: Any  # torch.optim.Optimizer | None
+    loss_scaler: Any  # deepshard.runtime.loss_scaler's scaler, or None
     _grad_norm: float | None
     _step_applied: bool
+    _monitor: EngineMonitor
+
+    if TYPE_CHECKING:
+        def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                             exclude_frozen_parameters: bool = False) -> bool: ...
 
     @property
     def config(self):
@@ -51,13 +59,13 @@ class EngineGetters:
         return self.counters.global_samples
 
     def train_batch_size(self) -> int:
-        return self._config.train_batch_size
+        return cast(int, self._config.train_batch_size)  # resolved by initialize()
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
+        return cast(int, self._config.train_micro_batch_size_per_gpu)  # resolved by initialize()
 
     def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
+        return cast(int, self._config.gradient_accumulation_steps)  # resolved by initialize()
 
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
@@ -137,7 +145,7 @@ class EngineGetters:
         """fp16 with a dynamic loss scale (``fp16.loss_scale`` 0)."""
         return self._config.fp16.enabled and self._config.fp16.loss_scale == 0
 
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | None:
         return self._config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:

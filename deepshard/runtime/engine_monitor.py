@@ -38,6 +38,7 @@ import atexit
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,7 @@ class EngineMonitor:
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._step_mean: torch.Tensor | None = None
-        self._pending: tuple[torch.Tensor, object] | None = None  # CUDA: host copy, event
+        self._pending: tuple[torch.Tensor, Any] | None = None  # CUDA: host copy, event
         self._iter_start: float | None = None
         self.loss_by_caller = False
         """True when the engine writes ``train_loss`` itself (:meth:`write_train_loss`):
@@ -154,15 +155,16 @@ class EngineMonitor:
 
     def timed(self, name: str, fn: Callable[[], None]) -> Callable[[], None]:
         """``fn`` under timer ``name`` (``fn`` itself when not timing)."""
-        if self.timers is None:
+        timers = self.timers
+        if timers is None:
             return fn
 
         def run() -> None:
-            self.timers.begin(name)
+            timers.begin(name)
             try:
                 fn()
             finally:
-                self.timers.end(name)
+                timers.end(name)
         return run
 
     def record_loss(self, loss: torch.Tensor) -> None:

@@ -80,7 +80,10 @@ class EngineData:
     dp_rank: int
     mpu: Any
     training_dataloader: Any
-    sequence_parallel_size: int
+
+    if TYPE_CHECKING:
+        @property
+        def sequence_parallel_size(self) -> int: ...
 
     def deepspeed_io(self, dataset, batch_size: int | None = None, route=None,
                      pin_memory: bool = True, data_sampler=None, collate_fn=None,

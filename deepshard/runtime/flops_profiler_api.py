@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -177,7 +177,9 @@ def get_model_profile(model: nn.Module, input_shape: tuple[int, ...] | None = No
                                  output_file=output_file)
     prof.end_profile()
     if as_string:
-        return number_to_string(flops), macs_to_string(macs), params_to_string(params)
+        # as numbers: get_total_*() without as_string
+        return (number_to_string(cast(int, flops)), macs_to_string(cast(int, macs)),
+                params_to_string(cast(int, params)))
     return flops, macs, params
 
 

@@ -77,7 +77,7 @@ class _DeepSpeedSchedule(LRScheduler):
         """The iteration whose learning rate is in effect: -1 before the first ``step()``."""
         return self.last_epoch
 
-    def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
+    def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance one iteration, or jump to ``last_batch_iteration``, and apply its lr."""
         if last_batch_iteration is not None:
             self.last_epoch = last_batch_iteration - 1

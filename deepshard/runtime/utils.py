@@ -84,7 +84,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     else the whole job) when a process group exists. The clip factor is
     ``max_norm / (norm + 1e-6)``, capped at 1.
     """
-    params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    params: list[torch.Tensor] = [parameters] if torch.is_tensor(parameters) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,7 @@ def gather_batches(batch: Mapping[str, Any], group: Any, size: int, device: Any
     shapes = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
     ids = batch["input_ids"]
     dist.all_gather(shapes, torch.tensor(ids.shape[:2], dtype=torch.int64), group=group)
-    lengths = [tuple(int(x) for x in s) for s in shapes]
+    lengths = [cast(tuple[int, int], tuple(int(x) for x in s)) for s in shapes]
     longest = max(s for _, s in lengths)
     batches: list[dict[str, Any]] = [{} for _ in range(size)]
     for key, value in batch.items():

@@ -84,7 +84,7 @@ def _swapped(module: torch.nn.Module, names: Sequence[str],
         slots.append((owner, leaf, owner._parameters[leaf]))
     try:
         for (owner, leaf, _), value in zip(slots, values, strict=True):
-            owner._parameters[leaf] = value  # type: ignore[assignment]
+            owner._parameters[leaf] = value
         yield
     finally:
         for owner, leaf, original in slots:
@@ -100,14 +100,15 @@ def _add(total: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None])
         if g is not None:
             # one copy (a tile's gradient may be a view), then summed in place: a new
             # weight-sized tensor per tile was most of the tiled loss's transient memory
-            total[i] = g.clone() if total[i] is None else total[i].add_(g)
+            t = total[i]
+            total[i] = g.clone() if t is None else t.add_(g)
 
 
 class _TiledModule(torch.autograd.Function):
     """``fn(module, x)`` over tiles of ``x``'s rows; only ``x`` is saved for backward."""
 
     @staticmethod
-    def forward(ctx, fn, module, names, shards, x, *params):  # type: ignore[override]
+    def forward(ctx, fn, module, names, shards, x, *params):
         ctx.fn, ctx.module, ctx.names, ctx.shards = fn, module, names, shards
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
@@ -116,7 +117,7 @@ class _TiledModule(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         module = ctx.module
         params = [module.get_parameter(n) for n in ctx.names]
@@ -167,7 +168,7 @@ class _TiledLoss(torch.autograd.Function):
     ``targets`` have the rows as their first dim."""
 
     @staticmethod
-    def forward(ctx, loss_fn, module, names, shards, train, denominator, targets,  # type: ignore[override]
+    def forward(ctx, loss_fn, module, names, shards, train, denominator, targets,
                 x, *params):
         aliases = _aliases(params) if train else list(params)
         x_grad = torch.zeros_like(x) if train and x.requires_grad else None
@@ -191,7 +192,7 @@ class _TiledLoss(torch.autograd.Function):
         return total / ctx.denominator
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         scale = grad / ctx.denominator
         grads = [None if g is None else g * scale.to(g.dtype) for g in ctx.grads]
         ctx.grads = ()
@@ -289,7 +290,7 @@ class TiledFusedLogitsLoss:
         names, params = _trainable(self, compute_params, "TiledFusedLogitsLoss")
         rows = x.shape[0] * x.shape[1]
         tiles = len(tile_bounds(rows, shards))
-        targets = (y.reshape(rows, *y.shape[2:]),)
+        targets: tuple[torch.Tensor, ...] = (y.reshape(rows, *y.shape[2:]),)
         if mask is not None:
             targets += (mask.reshape(rows),)
         train = torch.is_grad_enabled() and (x.requires_grad or bool(params))

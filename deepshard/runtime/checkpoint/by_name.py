@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ def merge_groups(ours: Sequence[Mapping], saved: Sequence[Mapping]) -> list[dict
     return [{**s, "params": g["params"]} for g, s in zip(ours, saved, strict=True)]
 
 
-def copy_scalars(scalars: Mapping[str, object]) -> dict[str, object]:
+def copy_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
     """Per-parameter optimizer scalars (step counters) as fresh objects: fused optimizers
     increment them in place."""
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}

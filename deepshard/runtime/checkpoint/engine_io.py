@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -55,8 +56,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         rank0 = engine.global_rank == 0
         model = _model_state(engine, exclude) if rank0 or topology is not None else None
         if topology is not None:  # every rank holds another part of the model
-            own["mp"] = {**model, "tp_layout": _tp_layout(engine)}
-        shared = _shared(engine, model, client_state) if rank0 else None
+            own["mp"] = {**cast(dict, model), "tp_layout": _tp_layout(engine)}
+        shared = _shared(engine, cast(dict, model), client_state) if rank0 else None
         fmt.save(save_dir, _manifest(engine, tag, exclude), rank=engine.global_rank,
                  shared=shared, own=own, agree=engine.agree, save_latest=save_latest)
     if engine.global_rank == 0:

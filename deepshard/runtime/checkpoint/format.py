@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -200,7 +201,7 @@ def _exchange(a: Path, b: Path) -> None:
         raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
 
 
-def full_precision(shared: Mapping[str, object]) -> dict[str, torch.Tensor]:
+def full_precision(shared: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The module's state from a loaded ``model_states.pt`` with fp32 masters substituted
     for the half-precision values they shadow."""
     masters = shared.get("fp32_masters") or {}
@@ -272,7 +273,7 @@ def rng_states() -> dict:
     return states
 
 
-def set_rng_states(states: Mapping[str, object]) -> None:
+def set_rng_states(states: Mapping[str, Any]) -> None:
     """Restore what :func:`rng_states` captured."""
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])

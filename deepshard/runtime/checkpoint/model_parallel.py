@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -36,7 +37,7 @@ def coordinate_ranks(layout: dict, pipe: int, tensor: int) -> list[int]:
 def by_name(tag_dir: Path, manifest: fmt.Manifest, pipe: int,
             tensor: int, need=None) -> tuple[ByName, dict]:
     """One (pipe, tensor) coordinate's model and optimizer state by name, and its payload."""
-    ranks = coordinate_ranks(manifest.layout, pipe, tensor)
+    ranks = coordinate_ranks(cast(dict, manifest.layout), pipe, tensor)  # model-parallel: set
     own = fmt.load_file(tag_dir, fmt.rank_file(ranks[0]))["mp"]
     local = replace(manifest, world_size=len(ranks))
     return read_by_name(tag_dir, local, own, ranks, need), own
@@ -56,7 +57,7 @@ def check_same_layout(manifest: fmt.Manifest, topology: Topology | None,
 
 def consolidate(tag_dir: Path, manifest: fmt.Manifest) -> dict[str, torch.Tensor]:
     """The whole model's state dict from a model-parallel checkpoint."""
-    layout = manifest.layout
+    layout = cast(dict, manifest.layout)  # a model-parallel checkpoint's: set
     full: dict[str, torch.Tensor] = {}
     for pipe in range(layout["pipe"]):
         slices, spec_map = [], {}

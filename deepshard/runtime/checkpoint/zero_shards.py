@@ -76,7 +76,7 @@ def owned_names(zero, module: torch.nn.Module) -> set[str]:
 def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> list[str]:
     """Fill this rank's shards (values, masters and, if asked, optimizer state) from
     ``by_name``. Returns the names it lacked (left as they were)."""
-    missing = []
+    missing: list[str] = []
     steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
     for g, t in zip([*zero.groups, *zero.frozen_groups], steps, strict=True):
         fresh = torch.zeros(g.spec.shard, dtype=torch.float32)

@@ -74,7 +74,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from torch import nn
 
@@ -232,7 +232,7 @@ def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -
             entries[name] = _replicate(name, module, f"{type(module).__name__} subclasses "
                                        "nn.Linear/nn.Embedding: its forward may differ")
     attention = []
-    by_parent = defaultdict(dict)
+    by_parent: defaultdict[str, dict[str, nn.Linear]] = defaultdict(dict)
     for name, linear in linears.items():
         if name not in entries and in_block(name, blocks):
             by_parent[name.rpartition(".")[0]][name] = linear
@@ -267,7 +267,8 @@ def _replicate(name: str, module: nn.Module, reason: str) -> TPEntry:
 def _column(name: str, linear: nn.Linear, reason: str, tp_size: int, **kw) -> TPEntry:
     entry = TPEntry(name, "column", reason, _shape(linear), linear.bias is not None, **kw)
     check_divisible(f"{name} (Linear {linear.in_features} -> {linear.out_features}, "
-                    "column-parallel)", linear.out_features, entry.weight_spec(), tp_size)
+                    "column-parallel)", linear.out_features, cast(ShardSpec, entry.weight_spec()),
+                    tp_size)
     return entry
 
 

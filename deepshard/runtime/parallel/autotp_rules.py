@@ -97,7 +97,7 @@ def head_attrs(module: nn.Module) -> tuple[tuple[str, int] | None, tuple[str, in
 def block_names(model: nn.Module) -> frozenset[str]:
     """Qualified names of the repeated layers: the items of every ``nn.ModuleList`` and
     ``nn.Sequential`` (a transformer's blocks)."""
-    found = set()
+    found: set[str] = set()
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             found.update(f"{name}.{child}" if name else child

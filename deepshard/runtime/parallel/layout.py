@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ class Layout:
         if self.pipeline:
             from deepshard.runtime.parallel.pipe_engine import PipelineEngine
 
-            return PipelineEngine(parts, self.groups, self.tied)
+            return PipelineEngine(parts, self.groups, cast(TiedWeightGroups, self.tied))  # set
         from deepshard.runtime.engine import DeepShardEngine
 
         return DeepShardEngine(parts)

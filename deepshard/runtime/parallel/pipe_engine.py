@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -141,9 +142,11 @@ class PipelineEngine(DeepShardEngine):
         m = self._config.gradient_accumulation_steps
         b = _Batch(time.perf_counter(), backward_factor(m, self.dp_world_size,
                                                         self.loss_scaler))
-        prev, nxt = self.grid.prev_stage_rank, self.grid.next_stage_rank
+        # None only on the first (last) stage, whose schedule never receives (sends) there
+        prev = cast(int, self.grid.prev_stage_rank)
+        nxt = cast(int, self.grid.next_stage_rank)
         for action in S.one_f_one_b(self.num_stages, self.stage_id, m):
-            mb = getattr(action, "mb", None)
+            mb = cast(int, getattr(action, "mb", None))  # None: an action without one
             if isinstance(action, S.LoadMicroBatch):
                 self._load(data_iter, mb, b.inputs, b.labels)
             elif isinstance(action, S.RecvActivation):
@@ -197,6 +200,7 @@ class PipelineEngine(DeepShardEngine):
         # its first layer may change in place (an nn.ReLU(inplace=True), as DeepSpeed's)
         out = module(x.clone() if x.is_leaf and x.requires_grad else x)
         if self.is_last_stage():
+            assert module.loss_fn is not None  # train_batch() checked it
             loss = module.loss_fn(out, b.labels.pop(mb))
             b.losses.append(loss.detach().float())
             self._monitor.record_loss(loss)  # the heartbeat's loss, on the last stage
@@ -295,14 +299,16 @@ class PipelineEngine(DeepShardEngine):
         """Run :func:`.schedule.forward_only`; returns the last stage's per-micro-batch
         values (losses, or outputs without a loss) and its last outputs (else [], None)."""
         module: PipelineModule = self.module
-        inputs, labels, outputs = {}, {}, {}
+        inputs: dict[int, Any] = {}
+        labels: dict[int, Any] = {}
+        outputs: dict[int, Any] = {}
         values, logits = [], None
         for action in S.forward_only(self.num_stages, self.stage_id, m):
-            mb = action.mb
+            mb = cast(S.MicroBatchAction, action).mb
             if isinstance(action, S.LoadMicroBatch):
                 self._load(data_iter, mb, inputs, labels)
             elif isinstance(action, S.RecvActivation):
-                inputs[mb] = _recv(self.grid.prev_stage_rank, self.device)
+                inputs[mb] = _recv(cast(int, self.grid.prev_stage_rank), self.device)
             elif isinstance(action, S.Forward):
                 out = module(inputs.pop(mb))
                 if not self.is_last_stage():
@@ -313,7 +319,7 @@ class PipelineEngine(DeepShardEngine):
                     out = module.loss_fn(out, label).float()
                 values.append(out)
             elif isinstance(action, S.SendActivation):
-                self._send_activation(outputs.pop(mb), self.grid.next_stage_rank)
+                self._send_activation(outputs.pop(mb), cast(int, self.grid.next_stage_rank))
         return values, logits
 
     def _replica_mean(self, values: list[torch.Tensor]) -> torch.Tensor:
@@ -342,7 +348,7 @@ class PipelineEngine(DeepShardEngine):
         return list(t.unbind(0)) if listed else t
 
     def _load(self, data_iter, mb: int, inputs: dict, labels: dict) -> None:
-        batch = next(data_iter) if data_iter is not None else None
+        batch: Any = next(data_iter) if data_iter is not None else None
         if batch is not None and self.batch_fn is not None:
             batch = self.batch_fn(batch)
         if self.is_first_stage():

@@ -29,6 +29,8 @@ size one communicates nothing either.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,7 +44,7 @@ from deepshard.runtime.parallel.tp_shards import (
     shard_tensor,
 )
 
-Group = dist.ProcessGroup | None
+Group: TypeAlias = dist.ProcessGroup | None  # None: the default group
 
 
 def tp_world_size(group: Group) -> int:

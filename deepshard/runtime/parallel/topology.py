@@ -185,7 +185,7 @@ def PipeDataParallelTopology(num_pp: int, num_dp: int) -> Topology:
 def _checked_axis(axis: str) -> Axis:
     if axis not in AXES:
         raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(AXES)}")
-    return axis  # type: ignore[return-value]
+    return axis
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,15 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from deepshard.runtime.precision import global_norm
+
+if TYPE_CHECKING:
+    from deepshard.runtime.checkpoint.by_name import Needed
 
 
 class DataParallelStrategy(ABC):
@@ -158,7 +162,7 @@ class DataParallelStrategy(ABC):
 
     @abstractmethod
     def rank_payload(self, optimizer: torch.optim.Optimizer | None,
-                     exclude_frozen: bool = False) -> object | None:
+                     exclude_frozen: bool = False) -> list[dict] | None:
         """What this rank alone writes (its shards), or ``None``; ``exclude_frozen``:
         without frozen parameters."""
 
@@ -175,7 +179,7 @@ class DataParallelStrategy(ABC):
         (called after :meth:`restore`)."""
         del optimizer, payload, saved_world
 
-    def needed(self) -> object | None:
+    def needed(self) -> Needed | None:
         """Which names this rank takes from a checkpoint
         (:class:`deepshard.runtime.checkpoint.by_name.Needed`); ``None``: all."""
         return None

@@ -11,6 +11,8 @@ DeepSpeed's do.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -28,7 +30,7 @@ def stage0_full(strategy, param: torch.Tensor, what: str, optimizer=None,
         i = _index(strategy, param)
         return strategy.buckets.views[i].detach().float().clone()
     state = optimizer.state.get(held, {}) if optimizer is not None else {}
-    value = state.get(key)
+    value: Any = state.get(key)
     return value.detach().clone() if torch.is_tensor(value) else value
 
 
@@ -42,6 +44,7 @@ def zero_full(strategy, param: torch.Tensor, what: str, optimizer=None,
     flat = strategy.groups[k].flat
     j = flat.params.index(i)
     off, n = flat.offsets[j], flat.numels[j]
+    shard: Any
     if what == "param":
         shard = strategy.stepper.step_tensors[k]
     elif what == "grad":

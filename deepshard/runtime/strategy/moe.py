@@ -31,6 +31,7 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -250,7 +251,7 @@ class MoEStrategy(DataParallelStrategy):
             with narrowed(optimizer, part.opt_groups) as mine:
                 if part is not self.parts[0] and part.whole:
                     if part.edp_rank == 0:  # the others hold the same replicas
-                        out.extend(whole_entries(part.strategy, mine))
+                        out.extend(whole_entries(cast(Stage0Strategy, part.strategy), mine))
                 else:
                     out.extend(part.strategy.rank_payload(mine, exclude_frozen) or [])
         return out

@@ -18,7 +18,8 @@ for each gather, rewritten after each optimizer step).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class FlatGroup:
         self.full: torch.Tensor | None = None
         self.swapper, self.key = (swapper, key) if partitioned else (None, "")
         self.shard_device = shard_device if partitioned and shard_device else self.device
-        self.on_modified = None
+        self.on_modified: Callable[[], None] | None = None
         self._work = None
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
@@ -124,9 +125,10 @@ class FlatGroup:
         self._buffer.untyped_storage().resize_(0)
 
     def _attach(self) -> None:
+        full = cast(torch.Tensor, self.full)  # gathered
         for p, off, n, shape in zip(self.params, self.flat.offsets, self.flat.numels,
                                     self.shapes, strict=True):
-            p.data = self.full[off:off + n].view(shape)
+            p.data = full[off:off + n].view(shape)
 
     def all_gather_replicated(self):
         """After the step: every rank's updated shard into every rank's full buffer
@@ -142,7 +144,7 @@ class FlatGroup:
             src = dist.get_global_rank(self.pg, src_rank) if self.pg is not None else src_rank
             comm.broadcast(self.full, src=src, group=self.pg)
         if self.partitioned:
-            self.write_shard(self.full[self.lo:self.hi])
+            self.write_shard(cast(torch.Tensor, self.full)[self.lo:self.hi])  # gathered
 
     def read_shard(self) -> torch.Tensor:
         """This rank's shard (from its file, with ``offload_param`` nvme)."""

@@ -59,14 +59,14 @@ class Init(contextlib.AbstractContextManager):
         for cls in _subclasses(torch.nn.Module):
             if "__init__" in cls.__dict__:
                 self._saved[cls] = cls.__dict__["__init__"]
-                cls.__init__ = self._wrap(cls.__dict__["__init__"])
+                cls.__init__ = self._wrap(cls.__dict__["__init__"])  # type: ignore[misc]  # patched on purpose
         self._apply = torch.nn.Module.apply
         torch.nn.Module.apply = self._wrap_apply(self._apply)
         return self
 
     def __exit__(self, *exc) -> None:
         for cls, init in self._saved.items():
-            cls.__init__ = init
+            cls.__init__ = init  # type: ignore[misc]  # restored
         self._saved.clear()
         if self._apply is not None:
             torch.nn.Module.apply = self._apply

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ class OneBitZeroStrategy(LocalGradients, ZeroStrategy):
                    optimizer=optimizer)
 
     def gradient_buckets(self) -> Stage1Grads:
-        return self.grads
+        return cast(Stage1Grads, self.grads)  # stage 1's
 
     # -- the step ---------------------------------------------------------------------
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
@@ -63,7 +64,7 @@ class OneBitZeroStrategy(LocalGradients, ZeroStrategy):
             return super().unscaled_grads(inv_scale)
         self.grads.unreduced = False  # local by design
         factor = float(self.world) * inv_scale  # the loss carried 1 / world
-        buffers = self.grads.buffers
+        buffers = cast(Stage1Grads, self.grads).buffers
         if all(b.dtype == torch.float32 for b in buffers):
             torch._foreach_mul_(buffers, factor)
             self._local_grads = buffers
@@ -84,6 +85,7 @@ class OneBitZeroStrategy(LocalGradients, ZeroStrategy):
     def _start_local(self) -> None:
         """Local momenta := the averaged one (all shards gathered once); errors := 0."""
         self.local, self.errors = [], []
+        assert self.optimizer is not None  # set by over()
         for k, g in enumerate(self.groups):
             shard = self.optimizer.state[self.stepper.step_tensors[k]]["exp_avg"]
             full = torch.empty(g.spec.padded, dtype=torch.float32, device=shard.device)
@@ -92,6 +94,8 @@ class OneBitZeroStrategy(LocalGradients, ZeroStrategy):
             self.errors.append(torch.zeros_like(full))
 
     def _step_group(self, k: int, grad: torch.Tensor, t: torch.Tensor) -> None:
+        # set by over() and _start_local()
+        assert self.optimizer is not None and self.local is not None and self.errors is not None
         opt_group = next(pg for pg in self.optimizer.param_groups
                          if any(p is t for p in pg["params"]))
         beta1 = opt_group["betas"][0]
@@ -132,6 +136,7 @@ class OneBitZeroStrategy(LocalGradients, ZeroStrategy):
         return {"onebit_local": self.local, "onebit_errors": self.errors, "world": self.world}
 
     def restore_own(self, optimizer, payload: object | None, saved_world: int) -> None:
+        assert self.optimizer is not None  # set by over()
         self.optimizer.load_state_dict(self.optimizer.state_dict())  # its flat momentum
         self.local = self.errors = None
         if not isinstance(payload, dict) or "onebit_local" not in payload:

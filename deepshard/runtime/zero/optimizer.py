@@ -23,6 +23,7 @@ import functools
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,9 +72,10 @@ class ShardStepper:
             self.separate.append(separate)
             self.step_tensors.append(master)
             g.on_modified = functools.partial(self.refresh_master, k) if separate else None
-        self.master_grads = [torch.zeros_like(m) if s else None
+        self.master_grads: list[Any] = [torch.zeros_like(m) if s else None  # None: not separate
                              for m, s in zip(self.step_tensors, self.separate, strict=True)]
-        self.swapper = TensorSwapper(offload.nvme_path, rank, "optimizer") \
+        # nvme_path: required with device nvme (the config checks it)
+        self.swapper = TensorSwapper(cast(str, offload.nvme_path), rank, "optimizer") \
             if offload.device == "nvme" else None
         self._swapped: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self._writes: dict[str, Future] = {}
@@ -146,6 +148,7 @@ class ShardStepper:
             key = self._key(k, "master")
             if key in self._writes:
                 self._writes.pop(key).result()
+            assert self.swapper is not None  # masters are swapped out only with NVMe offload
             self.swapper.write(key, values.cpu().contiguous()).result()
             return
         with torch.no_grad():
@@ -164,6 +167,7 @@ class ShardStepper:
         meta = self._swapped.get(k)
         if meta is None:
             return []
+        assert self.swapper is not None  # groups are swapped out only with NVMe offload
         futures = []
         state = dict(self._scalars.get(k, {}))
         for name, (shape, dtype) in meta.items():
@@ -180,6 +184,7 @@ class ShardStepper:
         return futures
 
     def _swap_out(self, optimizer, k: int) -> None:
+        assert self.swapper is not None  # called only with NVMe offload
         t = self.step_tensors[k]
         state = optimizer.state.pop(t, {})
         meta: dict[str, tuple[torch.Size, torch.dtype]] = {}

@@ -141,9 +141,9 @@ def plan_groups(numels: Sequence[int], dtypes: Sequence[object],
     rest = sorted(small) if units else sorted(group_of)
     backward = list(reversed(rest))
     for key in _keys(backward, dtypes, group_of):
-        chosen = [i for i in backward if (dtypes[i], group_of[i]) == key]
-        for part in split_by_size([numels[i] for i in chosen], cap):
-            plans.append(GroupPlan(tuple(chosen[p] for p in part), key[1], False, None))
+        keyed = [i for i in backward if (dtypes[i], group_of[i]) == key]
+        for part in split_by_size([numels[i] for i in keyed], cap):
+            plans.append(GroupPlan(tuple(keyed[p] for p in part), key[1], False, None))
     return tuple(plans)
 
 

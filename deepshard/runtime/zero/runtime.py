@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from deepshard.runtime.zero.stage1 import Stage1Grads
 from deepshard.runtime.zero.stage2 import Stage2Grads
 from deepshard.runtime.zero.stage3 import ParamCoordinator, Unit, plan_units
 from deepshard.runtime.zero.swap import TensorSwapper
+
+if TYPE_CHECKING:
+    from deepshard.runtime.checkpoint.by_name import Needed
 
 
 @dataclass(eq=False)
@@ -159,7 +163,7 @@ class ZeroStrategy(DataParallelStrategy):
     def rank_payload(self, optimizer, exclude_frozen: bool = False) -> list[dict]:
         return zero_shards.shard_payload(self, optimizer, exclude_frozen)
 
-    def needed(self) -> zero_shards.Needed:
+    def needed(self) -> Needed:
         return zero_shards.needed(self)
 
     def restore(self, optimizer, by_name, load_optimizer: bool,
@@ -252,7 +256,7 @@ class _GroupMaker:
         offload = spec.offload_param
         if offload.device not in ("cpu", "nvme"):
             return cls(world, rank, pg)
-        swapper = TensorSwapper(offload.nvme_path, rank, "params") \
+        swapper = TensorSwapper(cast(str, offload.nvme_path), rank, "params") \
             if offload.device == "nvme" else None
         return cls(world, rank, pg, torch.device("cpu"), bool(offload.pin_memory), swapper)
 

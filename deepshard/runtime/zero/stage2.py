@@ -18,6 +18,7 @@ all staged, so that it can release the group's gathered parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ class Stage2Grads:
         self._pending = [len(g.params) for g in self.groups]
         self._next = 0  # the next group to launch, in plan order
         self._seen = [False] * len(self.params)
-        self._works: list[tuple[object, torch.Tensor, torch.Tensor, int]] = []
+        self._works: list[tuple[Any, torch.Tensor, torch.Tensor, int]] = []
         self._active = False
         self._passive = False
         # gradients left in .grad by passive backwards, reduced by the next backward's
