@@ -89,6 +89,23 @@ def test_the_checker_catches_an_upward_and_a_launcher_import(tmp_path: Path):
         "  deepshard.runtime.engine -> deepshard.moe.layer (runtime may not import moe)"]
 
 
+def test_ruff_and_mypy_see_every_file_of_the_package():
+    """No exclude pattern of ruff matches a folder or file of ``deepshard/`` (``build`` once
+    hid ``runtime/build`` from it), and mypy's ``files`` is the whole package."""
+    import fnmatch
+
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    excluded = config["tool"]["ruff"].get("exclude", [])
+    hidden = [str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*")
+              if "__pycache__" not in path.parts
+              and any(fnmatch.fnmatch(part, pattern) for pattern in excluded
+                      for part in path.relative_to(PACKAGE.parent).parts)]
+    assert not hidden, f"ruff's exclude hides {hidden}"
+    assert config["tool"]["mypy"]["files"] == ["deepshard"]
+
+
 # ---- facades define nothing -------------------------------------------------------------
 
 

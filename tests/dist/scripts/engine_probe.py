@@ -34,6 +34,7 @@ from gpt import GPT, GPTConfig, rank_indices, sample_batch, stdlib_corpus  # noq
 
 import deepshard  # noqa: E402
 from deepshard.runtime.engine import DeepShardEngine  # noqa: E402
+from deepshard.runtime.extensions import load_extensions  # noqa: E402
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
 
@@ -110,6 +111,7 @@ def _deepshard_objects() -> collections.Counter:
 def release(config_path: str) -> None:
     deepshard.init_distributed(verbose=False)
     importlib.import_module("deepshard.runtime.api")  # module-level objects (kernel registry)
+    load_extensions()  # so are the features' registered Extension constants
 
     before = _deepshard_objects()
     rounds = []
