@@ -32,7 +32,43 @@ from deepshard.runtime.optim.base import StepOptimizer
 __all__ = ["FusedLamb", "KernelLamb", "Lamb"]
 
 
-class Lamb(StepOptimizer):
+class LambBase(StepOptimizer):
+    """What :class:`Lamb` and :class:`KernelLamb` share: DeepSpeed's ``FusedLamb``
+    constructor (checked hyperparameters as the param groups' defaults) and the opening of
+    each step (the parameters with a gradient, per group; sparse ones refused)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+    ) -> None:
+        defaults = check_hyperparameters(
+            lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, max_grad_norm,
+            max_coeff, min_coeff, amsgrad
+        )
+        super().__init__(params, defaults)
+
+    def _groups_with_grads(self) -> Iterable[tuple[dict[str, Any], list[torch.Tensor]]]:
+        """``(group, its parameters that have a gradient)`` for each group with any."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("LAMB does not support sparse gradients")
+            yield group, params
+
+
+class Lamb(LambBase):
     """LAMB (https://arxiv.org/abs/1904.00962) as DeepSpeed's ``FusedLamb`` computes it.
 
     For each parameter ``p`` with gradient ``g`` at step ``t`` (counted per parameter):
@@ -67,34 +103,9 @@ class Lamb(StepOptimizer):
         amsgrad: not supported; ``True`` raises ``ValueError``.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        eps_inside_sqrt: bool = False,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        amsgrad: bool = False,
-    ) -> None:
-        defaults = check_hyperparameters(
-            lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, max_grad_norm,
-            max_coeff, min_coeff, amsgrad
-        )
-        super().__init__(params, defaults)
-
     def _take_step(self) -> None:
         """Apply one LAMB update to every parameter that has a gradient."""
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("LAMB does not support sparse gradients")
+        for group, params in self._groups_with_grads():
             grad_divisor = clip_divisor([p.grad for p in params], group["max_grad_norm"])
             for bucket in by_device_and_dtype(params):
                 self._update(bucket, group, grad_divisor)
@@ -144,7 +155,7 @@ class Lamb(StepOptimizer):
         )
 
 
-class KernelLamb(StepOptimizer):
+class KernelLamb(LambBase):
     """LAMB on deepshard's CUDA kernel (``cuda/lamb.cu``, through
     :func:`~deepshard.kernels.lamb.fused_lamb_step`), or
     :func:`~deepshard.kernels.lamb.lamb_reference` where the kernel cannot run: the update
@@ -159,24 +170,9 @@ class KernelLamb(StepOptimizer):
     launch sequence per (device, dtype, step) bucket.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
-                 amsgrad: bool = False) -> None:
-        defaults = check_hyperparameters(lr, bias_correction, betas, eps, eps_inside_sqrt,
-                                         weight_decay, max_grad_norm, max_coeff, min_coeff,
-                                         amsgrad)
-        super().__init__(params, defaults)
-
     def _take_step(self) -> None:
         """Apply one LAMB update to every parameter that has a gradient."""
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("LAMB does not support sparse gradients")
+        for group, params in self._groups_with_grads():
             divisor = device_clip_divisor([p.grad for p in params], group["max_grad_norm"])
             beta1, beta2 = group["betas"]
             for (device, _, step), (ps, gs, ms, vs) in moment_columns(self.state,
