@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from deepshard.contract import DEEPSHARD_VERSION as __version__
+
 if TYPE_CHECKING:  # the lazy names deepshard itself calls, as type checkers see them
     from deepshard.runtime.api import initialize as initialize
 
-__version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access (PEP 562)
 _LAZY = {

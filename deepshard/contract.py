@@ -25,6 +25,14 @@ import base64
 import json
 import os
 
+DEEPSHARD_VERSION = "0.1.0"
+"""deepshard's own version (``deepshard.__version__`` outside the DeepSpeed compat path, where
+``deepspeed.__version__``, the same attribute, reads ``0.19.8+deepshard.<this>``)."""
+
+COMPAT_SUMMARY = "deepshard presenting itself as DeepSpeed (--deepspeed_compat)"
+"""The ``Summary`` of the ``deepspeed`` distribution deepshard presents: how ``ds_report`` and
+``ds-compat`` tell it from a real DeepSpeed without importing either."""
+
 # --- the environment contract every worker receives ---------------------------------------
 RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"

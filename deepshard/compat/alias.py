@@ -149,6 +149,7 @@ def install(shim_dir: str = SHIM_DIR) -> ModuleType:
     install_exit_hooks()
     deepshard = importlib.import_module(TARGET)
     sys.modules[ALIAS] = deepshard
+    _present_version(deepshard)
     if not any(isinstance(f, AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, AliasFinder())
         _explain_missing_attributes(deepshard)
@@ -160,6 +161,22 @@ def install(shim_dir: str = SHIM_DIR) -> ModuleType:
                 "deepshard: --deepspeed_compat: `import deepspeed` is deepshard; the "
                 "DeepSpeed installed at %s is not used", real)
     return deepshard
+
+
+def _present_version(deepshard: ModuleType) -> None:
+    """``deepspeed.__version__`` agrees with the presented distribution
+    (:mod:`.distribution`): ``0.19.8+deepshard.<deepshard's version>``, and the
+    ``__version_major__``/``__git_hash__`` siblings DeepSpeed's package has. deepshard's own
+    code reads its version from :data:`deepshard.contract.DEEPSHARD_VERSION`."""
+    from deepshard.compat import distribution
+
+    major, minor, patch = distribution.version_parts()
+    deepshard.__version__ = distribution.version()  # type: ignore[attr-defined]
+    deepshard.__version_major__ = major  # type: ignore[attr-defined]
+    deepshard.__version_minor__ = minor  # type: ignore[attr-defined]
+    deepshard.__version_patch__ = patch  # type: ignore[attr-defined]
+    deepshard.__git_hash__ = None  # type: ignore[attr-defined]
+    deepshard.__git_branch__ = None  # type: ignore[attr-defined]
 
 
 def real_deepspeed(shim_dir: str, path: Sequence[str] | None = None) -> str | None:

@@ -24,6 +24,7 @@ TARGET = "deepshard"
 
 MODULES: dict[str, str] = {
     "deepspeed.zero": "deepshard.runtime.zero",
+    "deepspeed.runtime.zero.partition_parameters": "deepshard.runtime.zero.init",
     "deepspeed.checkpointing": "deepshard.runtime.activation_checkpointing",
     "deepspeed.runtime.activation_checkpointing.checkpointing":
         "deepshard.runtime.activation_checkpointing",
@@ -53,6 +54,10 @@ NAMES: dict[str, dict[str, str]] = {
     "deepspeed.runtime.pipe": _PIPE,
     "deepspeed.utils": {
         "RepeatingLoader": "deepshard.runtime.utils:RepeatingLoader",
+        **{name: f"deepshard.runtime.zero.marks:{name}" for name in
+           ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+            "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module",
+            "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")},
         **{name: f"deepshard.runtime.logs:{name}" for name in
            ("logger", "log_dist", "log_dist_once", "set_log_level_from_string")},
         **{name: f"deepshard.runtime.tensor_fragment:{name}" for name in
@@ -78,11 +83,6 @@ NAMES: dict[str, dict[str, str]] = {
         "ZeroOneAdam": "deepshard.runtime.optim.onebit.zoadam:ZeroOneAdam"},
     "deepspeed.checkpoint": {},
     "deepspeed.profiling": {},
-    "deepspeed.runtime.zero.partition_parameters": {
-        "Init": "deepshard.runtime.zero.init:Init",
-        "GatheredParameters": "deepshard.runtime.zero.stage3:GatheredParameters",
-        "ZeroParamStatus": "deepshard.runtime.zero.status:ZeroParamStatus",
-    },
 }
 """DeepSpeed package -> {name: ``"deepshard.module:attribute"``} for the packages the alias
 builds (an empty dict: a package that only holds listed submodules)."""

@@ -15,6 +15,7 @@ from pydantic import AliasChoices, ValidationInfo, model_validator
 from deepshard.config.schema_base import (
     Bool,
     Int,
+    Interval,
     KeyLog,
     NonNegFloat,
     NonNegInt,
@@ -235,8 +236,9 @@ class DeepShardConfig(Section):
         "batch, every one holding 1/size of its tokens; the data-parallel size the batch "
         "triad counts is world / (sequence_parallel_size x pipeline x tensor parallel).",
         default=1)
-    steps_per_print: PosInt | None = doc(
-        "Log progress every this many steps; None: never (DeepSpeed 0.19's default).",
+    steps_per_print: Interval = doc(
+        "Log progress every this many steps; None or infinity: never (DeepSpeed 0.19's "
+        "default).",
         default=None)
     gradient_clipping: NonNegFloat = doc(
         "Clip the global gradient norm to this value; 0: no clipping (DeepSpeed 0.19's "

@@ -223,6 +223,15 @@ def _unit_check(value: Any) -> Any:
     return float(value)
 
 
+def _never_if_infinite(value: Any) -> Any:
+    return None if isinstance(value, float) and value == math.inf else value
+
+
+Interval = Annotated[PosInt | None, BeforeValidator(_never_if_infinite)]
+"""A number of steps between two events, or ``float("inf")``/None: never (Accelerate writes
+``steps_per_print: inf`` into every config it builds)."""
+
+
 UnitFloat = Annotated[float, BeforeValidator(_unit_check)]
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from deepshard import __version__
+from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import EXIT_USAGE, UsageError
 from deepshard.launcher import procs
 from deepshard.launcher.backends import (

@@ -14,8 +14,9 @@ import sys
 from deepshard.launcher.spawn import discard_agent, likely_local_run, spawn_agent
 
 
-def main() -> None:
-    args = sys.argv[1:]
+def main(argv: list[str] | None = None) -> None:
+    """``ds-run ARGS`` (``argv`` defaults to the command line's)."""
+    args = sys.argv[1:] if argv is None else argv
     spawned = [spawn_agent()] if likely_local_run(args) else []
     try:
         from deepshard.launcher.cli import run_cli  # after the spawn, on purpose
@@ -27,3 +28,10 @@ def main() -> None:
         for proc in spawned:  # not taken by a backend
             discard_agent(proc)
     sys.exit(code)
+
+
+def deepspeed_main() -> None:
+    """The ``deepspeed`` command that ``ds-compat install`` writes: ``ds-run
+    --deepspeed_compat`` with DeepSpeed's own command line (``deepspeed --num_gpus 2 train.py
+    --deepspeed ds.json``), so scripts and tools that call ``deepspeed`` run on deepshard."""
+    main(["--deepspeed_compat", *sys.argv[1:]])

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from deepshard.config.given import GivenConfig
 from deepshard.errors import UsageError
 from deepshard.liveness import heartbeat
 from deepshard.runtime.backward import BackwardDriver
@@ -90,6 +91,9 @@ class EngineParts:
     """What is sharded (the one place the stage is read from the config)."""
     extensions: Extensions = field(default_factory=Extensions)
     """The registered features: the monitor sink, ``save_pretrained``."""
+    given: Mapping[str, Any] = field(default_factory=dict)
+    """The config as the user gave it (a file's contents for a path): ``engine.config``'s
+    dict."""
 
 
 class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Module):
@@ -100,6 +104,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self.module = parts.module
         self.strategy = parts.strategy
         self._config, self._zero, self._extensions = parts.config, parts.zero, parts.extensions
+        self._given = GivenConfig(parts.given, parts.config)
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.lr_scheduler
         self.loss_scaler = parts.loss_scaler

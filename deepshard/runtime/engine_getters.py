@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from deepshard.config.given import GivenConfig
+
 if TYPE_CHECKING:
     from deepshard.config.schema import DeepShardConfig
     from deepshard.runtime.engine import Counters
@@ -21,6 +23,7 @@ class EngineGetters:
     """The read-only part of DeepSpeed's engine API (see the module docstring)."""
 
     _config: DeepShardConfig
+    _given: GivenConfig
     _zero: ZeroSpec
     counters: Counters
     optimizer: Any  # torch.optim.Optimizer | None
@@ -34,9 +37,11 @@ class EngineGetters:
                              exclude_frozen_parameters: bool = False) -> bool: ...
 
     @property
-    def config(self):
-        """The validated config (``deepshard.config.DeepShardConfig``)."""
-        return self._config
+    def config(self) -> GivenConfig:
+        """DeepSpeed's ``engine.config``: the config as given, a ``dict``
+        (``engine.config.get("zero_optimization", {})``), whose attributes are the
+        validated config's (``engine.config.zero_optimization.stage``)."""
+        return self._given
 
     @property
     def global_steps(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from deepshard import __version__
+from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import UsageError
 from deepshard.launcher.env_file import home_dir, read_env_files
 from deepshard.launcher.plan_render import MASK, is_secret

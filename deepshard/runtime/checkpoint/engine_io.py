@@ -20,7 +20,7 @@ from typing import cast
 
 import torch
 
-from deepshard import __version__
+from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import UsageError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from deepshard.comm import collectives as comm
 from deepshard.runtime.zero.init import adopt
 from deepshard.runtime.zero.partition import FlatLayout, ShardSpec
+from deepshard.runtime.zero.status import ZeroParamStatus
 from deepshard.runtime.zero.swap import TensorSwapper
 
 
@@ -104,6 +105,7 @@ class FlatGroup:
             else:
                 self._work = comm.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)
+                self._set_status(ZeroParamStatus.INFLIGHT)
         if not async_op:
             self.wait()
 
@@ -123,12 +125,29 @@ class FlatGroup:
         for p in self.params:
             p.data = self._empty
         self._buffer.untyped_storage().resize_(0)
+        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
+        self._show_shards()
 
     def _attach(self) -> None:
         full = cast(torch.Tensor, self.full)  # gathered
         for p, off, n, shape in zip(self.params, self.flat.offsets, self.flat.numels,
                                     self.shapes, strict=True):
             p.data = full[off:off + n].view(shape)
+        self._set_status(ZeroParamStatus.AVAILABLE)
+
+    def _set_status(self, status: ZeroParamStatus) -> None:
+        """DeepSpeed's ``param.ds_status`` on every parameter of the group."""
+        for p in self.params:
+            p.ds_status = status
+
+    def _show_shards(self) -> None:
+        """DeepSpeed's ``param.ds_tensor``: the part of each parameter this rank holds, a
+        view of the shard (empty where the shard holds none of it, or lives in a file)."""
+        shard = self.shard if self.swapper is None else None
+        for p, off, n in zip(self.params, self.flat.offsets, self.flat.numels, strict=True):
+            lo, hi = max(off, self.lo), min(off + n, self.hi)
+            p.ds_tensor = shard[lo - self.lo:hi - self.lo] if shard is not None and hi > lo \
+                else self._empty
 
     def all_gather_replicated(self):
         """After the step: every rank's updated shard into every rank's full buffer

@@ -9,6 +9,15 @@ shape, as in DeepSpeed. ``Module.apply`` is wrapped too, so initialisers such as
 re-partitioned from rank 0's result). Peak memory while building is one module's
 parameters, not the model's.
 
+Tensor constructors are wrapped too, as DeepSpeed's ``partition_parameters`` does:
+``torch.tensor``/``empty``/``zeros``/``ones``/``full``/``arange``/``eye``/``randn`` called
+inside the context return floating tensors in the context's dtype (the ``dtype`` argument,
+else the config's: bf16, fp16, else fp32). Each is wrapped by the module attribute
+:func:`zero_wrapper_for_fp_tensor_constructor` as it is when the context is entered, so
+a caller that replaces it first (transformers keeps RoPE's ``torch.arange`` in its own dtype
+so) is honoured. This module is ``deepspeed.runtime.zero.partition_parameters`` under the
+compat alias.
+
 ``deepshard.initialize`` then assembles the ZeRO flat groups from these slices
 (:func:`full_value` gathers one parameter at a time).
 """
@@ -17,12 +26,61 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deepshard.accelerator import get_accelerator
 from deepshard.comm import collectives as comm
+from deepshard.runtime.zero.marks import register_external_parameter, unregister_external_parameter
 from deepshard.runtime.zero.partition import ShardSpec
+from deepshard.runtime.zero.status import ZeroParamStatus
+
+__all__ = ["Init", "ZeroParamStatus", "get_accelerator",
+           "register_external_parameter", "unregister_external_parameter",
+           "zero_wrapper_for_fp_tensor_constructor"]
+
+# the constructors as torch defines them, whatever a context has put in their place
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
+_CONSTRUCTORS = {"tensor": _orig_torch_tensor, "empty": _orig_torch_empty,
+                 "zeros": _orig_torch_zeros, "ones": _orig_torch_ones, "full": _orig_torch_full,
+                 "arange": _orig_torch_arange, "eye": _orig_torch_eye, "randn": _orig_torch_randn}
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None,
+                                           target_device: torch.device | None = None
+                                           ) -> Callable:
+    """DeepSpeed's wrapper of a tensor constructor inside ``zero.Init``: ``device`` defaults
+    to ``target_device`` (when given) and a floating result is cast to ``target_fp_dtype``
+    (when given)."""
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GatheredParameters":  # stage3 imports this module
+        from deepshard.runtime.zero.stage3 import GatheredParameters
+
+        return GatheredParameters
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Init(contextlib.AbstractContextManager):
@@ -33,11 +91,12 @@ class Init(contextlib.AbstractContextManager):
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
                  enabled=True, dtype=None, mpu=None, **kwargs):
-        del mem_efficient_linear, remote_device, pin_memory, config_dict_or_path
-        del config, mpu, kwargs
+        del mem_efficient_linear, remote_device, pin_memory, mpu, kwargs
         self.enabled = enabled
         self.pg = data_parallel_group
-        self.dtype = dtype
+        self.dtype = dtype or _config_dtype(config_dict_or_path if config is None else config)
+        self._ids = itertools.count()
+        self._constructors: dict[str, Callable] = {}
         self._saved: dict[type, object] = {}
         self._depth: dict[int, int] = {}
         self._apply = None
@@ -62,6 +121,12 @@ class Init(contextlib.AbstractContextManager):
                 cls.__init__ = self._wrap(cls.__dict__["__init__"])  # type: ignore[misc]  # patched on purpose
         self._apply = torch.nn.Module.apply
         torch.nn.Module.apply = self._wrap_apply(self._apply)
+        if self.dtype is not None:
+            wrapper = globals()["zero_wrapper_for_fp_tensor_constructor"]  # as it is now
+            for name, fn in _CONSTRUCTORS.items():
+                self._constructors[name] = getattr(torch, name)
+                setattr(torch, name, wrapper(fn, target_fp_dtype=self.dtype,
+                                             target_device=None))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -71,6 +136,9 @@ class Init(contextlib.AbstractContextManager):
         if self._apply is not None:
             torch.nn.Module.apply = self._apply
             self._apply = None
+        for name, fn in self._constructors.items():
+            setattr(torch, name, fn)
+        self._constructors.clear()
         return None
 
     def _wrap(self, init):
@@ -111,6 +179,24 @@ class Init(contextlib.AbstractContextManager):
             if self.dtype is not None and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
             keep_shard(p, p.data, self.pg, broadcast=True)
+            p.ds_id = next(self._ids)
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype DeepSpeed's ``zero.Init`` takes from its config: bf16, fp16, else fp32;
+    None without a config."""
+    if config is None:
+        return None
+    config = getattr(config, "config", config)  # an HfDeepSpeedConfig
+    if not isinstance(config, dict):
+        from deepshard.config.dialect import read_config_source
+
+        config, _ = read_config_source(config)
+    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True:
+        return torch.bfloat16
+    if (config.get("fp16") or {}).get("enabled") is True:
+        return torch.float16
+    return torch.float32
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -137,6 +223,7 @@ def keep_shard(p: torch.nn.Parameter, full: torch.Tensor, pg, broadcast: bool,
     real = max(0, min(hi, full.numel()) - lo)
     shard[:real] = flat[lo:lo + real]
     p.ds_shard, p.ds_shape, p.ds_numel, p.ds_pg = shard, full.shape, full.numel(), pg
+    p.ds_tensor, p.ds_status = shard, ZeroParamStatus.NOT_AVAILABLE
     p.data = torch.empty(0, dtype=full.dtype, device=full.device)
 
 
@@ -144,6 +231,7 @@ def init_gather(p: torch.nn.Parameter) -> None:
     """Make a ``zero.Init`` parameter whole in place (``GatheredParameters``)."""
     with torch.no_grad():
         p.data = full_value(p)
+    p.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def init_repartition(p: torch.nn.Parameter, modifier_rank: int | None) -> None:
@@ -152,6 +240,7 @@ def init_repartition(p: torch.nn.Parameter, modifier_rank: int | None) -> None:
     with torch.no_grad():
         if modifier_rank is None:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         else:
             keep_shard(p, p.data, p.ds_pg, broadcast=True, src_rank=modifier_rank)
 
@@ -202,7 +291,7 @@ def adopt(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 def _forget(p: torch.nn.Parameter) -> None:
-    for attr in ("ds_shard", "ds_pg"):
+    for attr in ("ds_shard", "ds_pg", "ds_tensor", "ds_status"):
         if hasattr(p, attr):
             delattr(p, attr)
 

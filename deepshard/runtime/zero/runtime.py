@@ -25,6 +25,7 @@ from deepshard.runtime.checkpoint.by_name import merge_groups
 from deepshard.runtime.strategy.base import DataParallelStrategy
 from deepshard.runtime.zero.flat import FlatGroup
 from deepshard.runtime.zero.init import materialize
+from deepshard.runtime.zero.marks import get_z3_leaf_modules
 from deepshard.runtime.zero.optimizer import ShardStepper
 from deepshard.runtime.zero.partition import layout, pieces, plan_groups
 from deepshard.runtime.zero.reducer import GradientReducer
@@ -207,6 +208,7 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
     materialize(module)  # zero.Init parameters that no group took (small frozen ones)
     coordinator = None
     if units_plan is not None:
+        _mark_stage3(module, [*groups, *frozen_groups])
         units = [Unit(u, module.get_submodule(name),
                       [g for g, plan in zip(groups, plans, strict=True) if plan.unit == u],
                       [g for g, fu in zip(frozen_groups, frozen_units, strict=True) if fu == u])
@@ -224,6 +226,18 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
     return ZeroStrategy(spec.stage, tuple(params), tuple(names), pg, world, groups, grads,
                         stepper, coordinator, opt_groups, whole, make.swapper,
                         frozen_groups)
+
+
+def _mark_stage3(module: torch.nn.Module, groups: Sequence[FlatGroup]) -> None:
+    """DeepSpeed's ZeRO-3 parameter attributes tools test for: ``ds_id`` (a number per
+    parameter, in the groups' order; OpenRLHF gathers only parameters that have one) and
+    ``ds_z3_leaf_module`` (the leaf module a parameter belongs to); ``ds_status``,
+    ``ds_tensor``, ``ds_shape`` and ``ds_numel`` are kept by the groups."""
+    for number, p in enumerate(p for g in groups for p in g.params):
+        p.ds_id = number
+    for leaf in get_z3_leaf_modules(module):
+        for p in leaf.parameters():
+            p.ds_z3_leaf_module = leaf
 
 
 def _reducer(spec: ZeroSpec, params: Sequence[torch.nn.Parameter], groups: list[FlatGroup],

@@ -31,6 +31,10 @@ Parameters smaller than ``stage3_param_persistence_threshold`` elements are not
 partitioned (as in DeepSpeed): they live in replicated groups on every rank, while their
 gradients and optimizer state are still sharded.
 
+Leaf modules (``set_z3_leaf_modules``) are never split: one that would hold units is a
+unit itself. A parameter registered as external to a module of another unit
+(``register_external_parameter``) belongs to the root.
+
 Limits: the root unit (embeddings, head, anything outside the containers) stays gathered
 for the whole forward and the whole backward; every rank must run the same modules in the
 same order (as in DeepSpeed: gathers are collectives).
@@ -48,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from deepshard.runtime.zero.flat import FlatGroup
 from deepshard.runtime.zero.init import init_gather, init_repartition
+from deepshard.runtime.zero.marks import external_parameters, z3_leaf_module
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -71,6 +76,7 @@ def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
     if not unit_names:
         unit_names = [name for name, child in model.named_children()
                       if any(True for _ in child.parameters())]
+    unit_names = _whole_leaves(model, unit_names)
     owners: dict[int, set[str]] = {}
     for unit in unit_names:
         for _, p in model.get_submodule(unit).named_parameters(remove_duplicate=False):
@@ -79,6 +85,11 @@ def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
     # forward: it must belong to the root, which stays gathered around all of them
     for p in _outside_units(model, set(unit_names)):
         owners.setdefault(id(p), set()).add("")
+    # so is one a module registered as external to it (used by another unit's forward)
+    for name, module in model.named_modules():
+        user = next((u for u in unit_names if name == u or name.startswith(u + ".")), "")
+        for p in external_parameters(module):
+            owners.setdefault(id(p), set()).add(user)
     by_unit: dict[str, list[str]] = {n: [] for n in ["", *unit_names]}
     named = dict(model.named_parameters())
     for name in trainable:
@@ -86,6 +97,23 @@ def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
         by_unit[next(iter(units)) if len(units) == 1 else ""].append(name)
     order = ["", *unit_names]
     return UnitPlan(tuple(order), tuple(tuple(by_unit[n]) for n in order))
+
+
+def _whole_leaves(model: torch.nn.Module, unit_names: list[str]) -> list[str]:
+    """The units, with every leaf module (:mod:`.marks`) not already inside a unit made one
+    whole: the units inside it give way to it."""
+    units = list(unit_names)
+    for name, module in model.named_modules():
+        if not name or not z3_leaf_module(module):
+            continue
+        if any(name == u or name.startswith(u + ".") for u in units):
+            continue  # gathered whole with the unit it lies in
+        inside = [u for u in units if u.startswith(name + ".")]
+        if inside:
+            units = [u for u in units if u not in inside]
+            units.append(name)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(units, key=order.__getitem__)
 
 
 def _outside_units(model: torch.nn.Module, units: set[str]) -> list[torch.nn.Parameter]:

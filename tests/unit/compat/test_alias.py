@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from deepshard.compat import paths
+from deepshard import contract
+from deepshard.compat import distribution, paths
 from deepshard.compat.alias import real_deepspeed, resolve, target_name
 from deepshard.compat.missing import (
     ATTRIBUTES,
@@ -61,9 +62,12 @@ def test_import_deepspeed_is_deepshard_without_torch(tmp_path):
         import deepshard
         assert deepspeed is deepshard, deepspeed
         assert sys.modules["deepspeed"] is deepshard
-        print("torch" in sys.modules, deepspeed.__name__, deepspeed.__version__)
+        import importlib.metadata
+        print("torch" in sys.modules, deepspeed.__name__, deepspeed.__version__,
+              importlib.metadata.version("deepspeed"), deepspeed.__version_major__)
     """, tmp_path))
-    assert out.split() == ["False", "deepshard", __import__("deepshard").__version__]
+    presented = f"0.19.8+deepshard.{__import__('deepshard').__version__}"
+    assert out.split() == ["False", "deepshard", presented, presented, "0"]
 
 
 def test_submodules_are_the_same_module_objects(tmp_path):
@@ -192,23 +196,30 @@ def test_missing_names_keep_hasattr_false(tmp_path):
     assert out.split() == ["False", "False", "default", "True"]
 
 
-def test_hf_and_accelerate_see_no_deepspeed_installed(tmp_path):
-    """They ask find_spec, then importlib.metadata: no ``deepspeed`` distribution exists."""
+def test_hf_and_accelerate_see_a_deepspeed_distribution_that_names_deepshard(tmp_path):
+    """They ask find_spec, then importlib.metadata: the shim's directory holds a
+    ``deepspeed`` distribution whose version is DeepSpeed's with deepshard's as local label
+    and whose summary says what it is."""
     out = ok(run_py("""
         import importlib.metadata, importlib.util
-        try:
-            importlib.metadata.distribution("deepspeed")
-        except importlib.metadata.PackageNotFoundError:
-            print("no-distribution")
-        try:
-            importlib.metadata.version("deepspeed")
-        except importlib.metadata.PackageNotFoundError:
-            print("no-version")
+        dist = importlib.metadata.distribution("deepspeed")
+        print(dist.version, importlib.metadata.version("deepspeed"))
         print("deepspeed" in importlib.metadata.packages_distributions())
+        print(dist.metadata["Summary"])
     """, tmp_path))
-    assert out.split() == ["no-distribution", "no-version", "False"]
-    assert not list(Path(SHIM_DIR).glob("*.dist-info")) and not list(
-        Path(SHIM_DIR).glob("*.egg-info"))
+    versions, listed, summary = out.splitlines()
+    assert versions.split() == [distribution.version(), distribution.version()]
+    assert listed == "True" and summary == contract.COMPAT_SUMMARY
+
+
+def test_the_shipped_dist_info_is_the_distribution_module_s():
+    """The static ``.dist-info`` beside the shim (package data) says what
+    :mod:`deepshard.compat.distribution` says, under the name it computes."""
+    (info,) = Path(SHIM_DIR).glob("*.dist-info")
+    assert info.name == distribution.dist_info_name()
+    assert (info / "METADATA").read_text() == distribution.metadata_text()
+    assert (info / "top_level.txt").read_text() == "deepspeed\n"
+    assert not list(Path(SHIM_DIR).glob("*.egg-info"))
 
 
 def fake_deepspeed(root: Path) -> Path:
