@@ -24,6 +24,7 @@ _LAZY = {
     "DistEnv": "deepshard.comm.distributed",
     "initialize": "deepshard.runtime.api",
     "add_config_arguments": "deepshard.runtime.api",
+    "tp_model_init": "deepshard.runtime.parallel.tp_init",
     "DeepShardEngine": "deepshard.runtime.engine",
     "PipelineEngine": "deepshard.runtime.parallel.pipe_engine",
     "PipelineModule": "deepshard.runtime.parallel.pipe_module",

@@ -89,10 +89,12 @@ MODULES: dict[str, Missing] = {
     "deepspeed.env_report": Missing("ds_report's module", "run ds_report"),
     "deepspeed.git_version_info": Missing("DeepSpeed's build information",
                                           "deepspeed.__version__ is deepshard's version"),
-    "deepspeed.launcher": Missing("DeepSpeed's launcher internals (runner, launch, "
-                                  "multinode_runner)",
-                                  "the launcher is ds-run; a worker reads its environment "
-                                  "with deepspeed.init_distributed()"),
+    "deepspeed.launcher.launch": Missing("DeepSpeed's per-node launcher",
+                                         "the launcher is ds-run (or `deepspeed` after "
+                                         "ds-compat install); a worker reads its environment "
+                                         "with deepspeed.init_distributed()"),
+    "deepspeed.launcher.multinode_runner": Missing("DeepSpeed's multi-node runner classes",
+                                                   "ds-run --launcher ssh|pdsh|slurm|mpi"),
     "deepspeed.runtime.zero.stage_1_and_2": Missing(
         "DeepSpeedZeroOptimizer (ZeRO stages 1 and 2)",
         "set zero_optimization.stage to 1 or 2 in the config: deepspeed.initialize builds "
@@ -130,7 +132,6 @@ ATTRIBUTES: dict[str, Missing] = {
     "InferenceEngine": _INFERENCE,
     "DeepSpeedInferenceConfig": _INFERENCE,
     "default_inference_config": _INFERENCE,
-    "tp_model_init": Missing("tp_model_init", "set tensor_parallel.autotp_size in the config"),
     "DeepSpeedTransformerLayer": MODULES["deepspeed.ops.transformer"],
     "DeepSpeedTransformerConfig": MODULES["deepspeed.ops.transformer"],
     "replace_transformer_layer": MODULES["deepspeed.module_inject"],

@@ -35,6 +35,7 @@ MODULES: dict[str, str] = {
     "deepspeed.runtime.pipe.topology": "deepshard.runtime.parallel.topology",
     "deepspeed.utils.zero_to_fp32": "deepshard.runtime.checkpoint.zero_to_fp32",
     "deepspeed.utils.logging": "deepshard.runtime.logs",
+    "deepspeed.utils.groups": "deepshard.runtime.parallel.groups",
     "deepspeed.utils.tensor_fragment": "deepshard.runtime.tensor_fragment",
     "deepspeed.checkpoint.utils": "deepshard.runtime.checkpoint.clone",
     "deepspeed.moe.utils": "deepshard.runtime.parallel.expert_params",
@@ -81,6 +82,14 @@ NAMES: dict[str, dict[str, str]] = {
                                                                           "OneBitLamb")},
     "deepspeed.runtime.fp16.onebit.zoadam": {
         "ZeroOneAdam": "deepshard.runtime.optim.onebit.zoadam:ZeroOneAdam"},
+    # the engine's optimizer is a torch optimizer (DeepSpeed wraps its ZeRO ones in a base
+    # class of its own; tools only test isinstance against it)
+    "deepspeed.runtime.base_optimizer": {"DeepSpeedOptimizer": "torch.optim:Optimizer"},
+    "deepspeed.launcher": {},
+    "deepspeed.launcher.runner": {
+        "DEEPSPEED_ENVIRONMENT_NAME": "deepshard.launcher.env_file:DEEPSPEED_ENVIRONMENT_NAME",
+        "main": "deepshard.launcher.entry:deepspeed_main",
+    },
     "deepspeed.checkpoint": {},
     "deepspeed.profiling": {},
 }

@@ -60,6 +60,8 @@ class LoadedConfig:
     """Where the config came from: its path, or ``<dict>``."""
     unknown: tuple[str, ...] = ()
     """Dotted paths of keys neither deepshard nor DeepSpeed knows (log one warning)."""
+    skipped: tuple[str, ...] = ()
+    """Sections left out because nothing uses them (a ``scheduler`` without an optimizer)."""
 
 
 def load_config(source: object, *, world_size: int, model: Any = None,
@@ -85,12 +87,20 @@ def load_config(source: object, *, world_size: int, model: Any = None,
 
 
 def parse_config(source: object, *, model: Any = None,
-                 auto_values: Mapping[str, object] | None = None) -> LoadedConfig:
+                 auto_values: Mapping[str, object] | None = None,
+                 without_optimizer: bool = False) -> LoadedConfig:
     """Read, resolve "auto" values and validate a config, leaving the batch triad as
     written: what a caller needs to learn the layout (pipeline stages, tensor-parallel
     size) and so the data-parallel size the triad is checked against. Arguments and
-    errors as :func:`load_config`'s."""
+    errors as :func:`load_config`'s; ``without_optimizer``: the caller brings no optimizer,
+    so a ``scheduler`` section with no ``optimizer`` section is left out unread, as
+    DeepSpeed builds no scheduler then (transformers' evaluation-only ``deepspeed_init``
+    passes a training config whose ``total_num_steps`` it filled with 0)."""
     data, origin = read_config_source(source)
+    skipped: tuple[str, ...] = ()
+    if without_optimizer and "optimizer" not in data and "scheduler" in data:
+        del data["scheduler"]
+        skipped = ("scheduler",)
     substitute_auto_values(data, auto_values or {})
     resolve_model_sized(data, model_hidden_size(model))
     _drop_determined_triad_autos(data)
@@ -100,7 +110,7 @@ def parse_config(source: object, *, model: Any = None,
                          hint="write concrete values there, or pass them as "
                               "load_config(auto_values={'<key.path>': value, ...})")
     config, unimplemented, unknown = validate_config(data, origin=origin)
-    return LoadedConfig(config, unimplemented, origin, unknown)
+    return LoadedConfig(config, unimplemented, origin, unknown, skipped)
 
 
 def with_batch_triad(loaded: LoadedConfig, world_size: int) -> LoadedConfig:

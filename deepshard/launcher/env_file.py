@@ -20,6 +20,9 @@ from deepshard.errors import UsageError
 
 DEFAULT_NAME = ".deepspeed_env"
 ENV_FILE_VAR = "DS_ENV_FILE"
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv(ENV_FILE_VAR, DEFAULT_NAME)
+"""The file name as DeepSpeed's ``deepspeed.launcher.runner`` gives it (read once at
+import): ``accelerate launch`` appends its variables there for a multi-node job."""
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 

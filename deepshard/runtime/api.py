@@ -32,6 +32,7 @@ from deepshard.runtime.engine import DeepShardEngine, EngineParts
 from deepshard.runtime.extensions import load_extensions
 from deepshard.runtime.loss_scaler import build_loss_scaler
 from deepshard.runtime.lr_schedules import build_scheduler
+from deepshard.runtime.parallel import groups
 from deepshard.runtime.zero.spec import ZeroSpec
 
 logger = logging.getLogger("deepshard")
@@ -66,11 +67,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
                          hint="pass the torch.nn.Module to train as model=")
     source = _config_source(args, config if config is not None else config_params)
     _join(distributed_port)
-    loaded, layout = _config_and_layout(source, model, mpu)
+    loaded, layout = _config_and_layout(source, model, mpu, without_optimizer=optimizer is None)
     cfg, extensions, zero = loaded.config, load_extensions(), ZeroSpec.from_config(loaded.config)
     extensions.require(cfg)
     if layout is not None:
         mpu = layout.groups
+    groups.set_mpu(mpu)  # DeepSpeed's deepspeed.utils.groups answers from it
     group, dp_world, dp_rank = _data_parallel(mpu)
     rank, device = dist.get_rank(), training_device()
     prepared = prepare_model(model, cfg, zero, extensions, layout, group, dp_world, rank,
@@ -106,13 +108,17 @@ def _join(distributed_port: int) -> None:
         teardown.register()  # the script's own init_process_group: same care at exit
 
 
-def _config_and_layout(source, model, mpu):
+def _config_and_layout(source, model, mpu, without_optimizer: bool = False):
     """The validated config (batch triad resolved against the data-parallel size) and
     the model-parallel layout it asks for (``None``: plain data parallelism)."""
     from deepshard.runtime.parallel.layout import Layout, pipeline_stages
 
     parsed = parse_config(source, model=model,
-                          auto_values={"pipeline.stages": pipeline_stages(model)})
+                          auto_values={"pipeline.stages": pipeline_stages(model)},
+                          without_optimizer=without_optimizer)
+    if dist.get_rank() == 0 and parsed.skipped:
+        logger.info("%s: no optimizer, so no LR scheduler is built (as DeepSpeed): the "
+                    "scheduler section is not used", parsed.origin)
     layout = Layout.create(parsed.config, parsed.origin, model, mpu)
     loaded = with_batch_triad(parsed, _replicas(layout.groups if layout is not None else mpu))
     cfg = loaded.config

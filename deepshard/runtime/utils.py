@@ -147,3 +147,19 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Any = None) -> Any:
+    """DeepSpeed's ``runtime.utils.move_to_device``: ``item`` (a tensor, or lists, tuples
+    and dicts of them, nested) on ``device``. A tensor ``criterion_func`` accepts is moved in
+    place (its ``.data`` replaced) and returned itself; others are ``.to(device)`` copies."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device)
