@@ -57,12 +57,6 @@ MODULES: dict[str, Missing] = {
         "shows which load"),
     "deepspeed.ops.aio": Missing("the async NVMe I/O op", _NVME),
     "deepspeed.ops.gds": Missing("GPUDirect Storage I/O", _NVME),
-    "deepspeed.ops.adagrad": Missing("DeepSpeed's CPU Adagrad",
-                                     "pass torch.optim.Adagrad(...) as optimizer= to "
-                                     "deepspeed.initialize"),
-    "deepspeed.ops.lion": Missing("DeepSpeed's Lion (CPU and fused)",
-                                  "pass a Lion optimizer instance as optimizer= to "
-                                  "deepspeed.initialize"),
     "deepspeed.ops.quantizer": Missing("the quantization kernels", "no deepshard equivalent"),
     "deepspeed.ops.fp_quantizer": Missing("the FP8/FP6 quantizer", "no deepshard equivalent"),
     "deepspeed.ops.deepspeed4science": Missing("DS4Sci EvoformerAttention",

@@ -72,6 +72,15 @@ NAMES: dict[str, dict[str, str]] = {
         "DeepSpeedCPUAdam": "deepshard.runtime.optim.adam:DeepSpeedCPUAdam"},
     "deepspeed.ops.lamb": {"FusedLamb": "deepshard.runtime.optim.lamb:FusedLamb"},
     "deepspeed.ops.lamb.fused_lamb": {"FusedLamb": "deepshard.runtime.optim.lamb:FusedLamb"},
+    "deepspeed.ops.adagrad": {
+        "DeepSpeedCPUAdagrad": "deepshard.runtime.optim.adagrad:DeepSpeedCPUAdagrad"},
+    "deepspeed.ops.adagrad.cpu_adagrad": {
+        "DeepSpeedCPUAdagrad": "deepshard.runtime.optim.adagrad:DeepSpeedCPUAdagrad"},
+    "deepspeed.ops.lion": {name: f"deepshard.runtime.optim.lion:{name}"
+                           for name in ("DeepSpeedCPULion", "FusedLion")},
+    "deepspeed.ops.lion.cpu_lion": {
+        "DeepSpeedCPULion": "deepshard.runtime.optim.lion:DeepSpeedCPULion"},
+    "deepspeed.ops.lion.fused_lion": {"FusedLion": "deepshard.runtime.optim.lion:FusedLion"},
     "deepspeed.runtime.fp16": {},
     "deepspeed.runtime.fp16.onebit": {},
     "deepspeed.runtime.fp16.onebit.adam": {

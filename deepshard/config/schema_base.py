@@ -144,7 +144,9 @@ class Section(BaseModel):
                 kept[key] = value
             elif key in cls.ds_only_keys:
                 log.unimplemented.append(".".join([*log.path, str(key)]))
-            elif _suggestion(cls, str(key)) is None:
+            elif _suggestion(cls, str(key)) is None or _dotted_path(cls, str(key)):
+                # a dotted path as a key ("zero_optimization.reduce_bucket_size", as TRL
+                # writes for its reference model): DeepSpeed reads no such key either
                 log.unknown.append(".".join([*log.path, str(key)]))
             else:
                 raise unknown_key_error(cls, str(key), log)
@@ -168,6 +170,12 @@ def _section_type(annotation: Any) -> type[Section] | None:
         if isinstance(candidate, type) and issubclass(candidate, Section):
             return candidate
     return None
+
+
+def _dotted_path(section: type[Section], key: str) -> bool:
+    """Whether ``key`` is a dotted path starting with one of the section's keys."""
+    head, dot, _ = key.partition(".")
+    return bool(dot) and head in section.known_keys()
 
 
 def _suggestion(section: type[Section], key: str) -> str | None:

@@ -112,6 +112,33 @@ class LambParams(OptimizerParams):
         return self
 
 
+class AdagradParams(OptimizerParams):
+    """``optimizer.params`` of type Adagrad: DeepSpeed's CPU Adagrad under optimizer
+    offload, torch's Adagrad otherwise (keys of either; one the built optimizer lacks must
+    keep its default)."""
+
+    lr: NonNegFloat = doc("Learning rate.", default=1e-2)
+    eps: NonNegFloat = doc("Term added to the denominator for numerical stability.",
+                           default=1e-10)
+    amsgrad: Bool = doc("Must be false: Adagrad has no AMSGrad variant.", default=False)
+    fp32_optimizer_states: Bool = doc("Keep the accumulator in fp32 (CPU Adagrad).",
+                                      default=True)
+    lr_decay: NonNegFloat = doc("Learning-rate decay (torch's Adagrad only).", default=0.0)
+    initial_accumulator_value: NonNegFloat = doc(
+        "Starting value of the accumulator (torch's Adagrad only).", default=0.0)
+
+
+class LionParams(OptimizerParams):
+    """``optimizer.params`` of type Lion: DeepSpeed's CPU Lion under optimizer offload,
+    FusedLion otherwise."""
+
+    betas: Betas = doc("Coefficients of the update's interpolation and of the momentum.",
+                       default=(0.9, 0.999))
+    fp32_optimizer_states: Bool = doc("Keep the momentum in fp32 (CPU Lion).", default=True)
+    set_grad_none: Bool = doc("Set gradients to None on zero_grad (FusedLion).",
+                              default=True)
+
+
 CommBackend = Annotated[Literal["nccl", "mpi", "compressed"],
                         one_of("nccl", "mpi", "compressed", case_insensitive=True)]
 
@@ -187,6 +214,7 @@ class OneBitLambParams(OneBitParams):
 
 OPTIMIZER_PARAMS: Mapping[str, type[OptimizerParams]] = MappingProxyType({
     "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams, "LAMB": LambParams,
+    "Adagrad": AdagradParams, "Lion": LionParams,
     "OneBitAdam": OneBitAdamParams, "ZeroOneAdam": ZeroOneAdamParams,
     "OneBitLamb": OneBitLambParams})
 """Supported optimizer types (canonical spelling) and their params models; DeepSpeed's
@@ -198,7 +226,7 @@ ONEBIT_OPTIMIZERS = frozenset({"OneBitAdam", "ZeroOneAdam", "OneBitLamb"})
 # What DeepSpeed accepts as optimizer.type besides the above: its own optimizers
 # (runtime/config.py) and any torch.optim class by name.
 DEEPSPEED_ONLY_OPTIMIZERS = (
-    "Adagrad", "Lion", "MuAdam", "MuAdamW",
+    "MuAdam", "MuAdamW",
     "MuSGD", "Muon", "ASGD", "Adadelta", "Adafactor", "Adamax", "LBFGS", "NAdam", "RAdam",
     "RMSprop", "Rprop", "SparseAdam")
 
@@ -212,13 +240,14 @@ class OptimizerConfig(Section):
 
     ds_only_keys: ClassVar[frozenset[str]] = frozenset({"legacy_fusion"})
 
-    type: Literal["Adam", "AdamW", "SGD", "LAMB", "OneBitAdam", "ZeroOneAdam",
-                  "OneBitLamb"] = doc(
-        "Optimizer: Adam, AdamW, SGD, LAMB, OneBitAdam, ZeroOneAdam or OneBitLamb (any "
-        "letter case; stored as spelled here).")
+    type: Literal["Adam", "AdamW", "SGD", "LAMB", "Adagrad", "Lion", "OneBitAdam",
+                  "ZeroOneAdam", "OneBitLamb"] = doc(
+        "Optimizer: Adam, AdamW, SGD, LAMB, Adagrad, Lion, OneBitAdam, ZeroOneAdam or "
+        "OneBitLamb (any letter case; stored as spelled here).")
     params: SerializeAsAny[OptimizerParams] = doc(
         "Hyperparameters, validated by the type's model (AdamParams, AdamWParams, SGDParams, "
-        "LambParams, OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams).",
+        "LambParams, AdagradParams, LionParams, OneBitAdamParams, ZeroOneAdamParams, "
+        "OneBitLambParams).",
         default_factory=AdamWParams)
 
     @classmethod

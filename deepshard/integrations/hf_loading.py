@@ -218,7 +218,7 @@ def initialize_gathered(model: Any) -> None:
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions
 
-    from deepshard.runtime.zero.stage3 import GatheredParameters
+    from deepshard.runtime.zero.init import GatheredParameters
 
     custom = model.is_remote_code()
     rank = dist.get_rank()

@@ -281,7 +281,7 @@ def _gather_values(tensors: Sequence[torch.Tensor], keep: set[int], gather: bool
                    ) -> dict[int, torch.Tensor]:
     """Gather ``tensors`` (with ``gather``, a collective: the same list on every rank) and
     return CPU copies of those whose ``id`` is in ``keep``, by ``id``."""
-    from deepshard.runtime.zero.stage3 import GatheredParameters
+    from deepshard.runtime.zero.init import GatheredParameters
 
     out: dict[int, torch.Tensor] = {}
     with torch.no_grad(), GatheredParameters(list(tensors), enabled=gather):

@@ -120,7 +120,11 @@ def _config_and_layout(source, model, mpu, without_optimizer: bool = False):
         logger.info("%s: no optimizer, so no LR scheduler is built (as DeepSpeed): the "
                     "scheduler section is not used", parsed.origin)
     layout = Layout.create(parsed.config, parsed.origin, model, mpu)
-    loaded = with_batch_triad(parsed, _replicas(layout.groups if layout is not None else mpu))
+    replicas = _replicas(layout.groups if layout is not None else mpu)
+    try:
+        loaded = with_batch_triad(parsed, replicas)
+    except UsageError as exc:
+        raise _accelerate_counted_one(parsed.config, replicas, parsed.origin) or exc from None
     cfg = loaded.config
     ignored = [*loaded.unimplemented, *_no_effect(cfg)]
     if dist.get_rank() == 0 and ignored:
@@ -134,6 +138,23 @@ def _config_and_layout(source, model, mpu, without_optimizer: bool = False):
 
     comm.configure(deepspeed_config=cfg)  # the comms_logger section, when written
     return loaded, layout
+
+
+def _accelerate_counted_one(cfg, replicas: int, origin: str) -> UsageError | None:
+    """The batch-size mismatch Accelerate causes on a machine without GPUs: it counts one
+    process (its backend unnamed) and writes a train_batch_size for world size 1. DeepSpeed
+    0.19.8 fails the same way; the fix is one argument of the script's ``Accelerator``."""
+    tbs, micro, gas = (getattr(cfg, key) for key in ("train_batch_size",
+                                                     "train_micro_batch_size_per_gpu",
+                                                     "gradient_accumulation_steps"))
+    if (os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true" or replicas == 1
+            or None in (tbs, micro, gas) or tbs != micro * gas):
+        return None
+    return UsageError(f"Accelerate counted 1 process of {replicas}: train_batch_size {tbs} = "
+                      f"{micro} * {gas} * 1", where=f"{origin}: train_batch_size",
+                      hint="on a machine without GPUs name Accelerate's process-group backend: "
+                           "Accelerator(..., kwargs_handlers=[InitProcessGroupKwargs("
+                           "backend='gloo')]) (accelerate.utils); DeepSpeed needs the same")
 
 
 def _check_combination(cfg, layout, origin: str) -> None:

@@ -95,8 +95,10 @@ def make_optimizer(cfg, client, source: Sequence[dict],
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(tensors)}
               for g, tensors in zip(source, step_tensors, strict=True)]
     if cfg.optimizer is not None:
+        offload = cfg.zero_optimization.offload_optimizer
         return build_optimizer(cfg.optimizer.type, cfg.optimizer.params.model_dump(), groups,
-                               group=group)
+                               group=group, cpu_offload=offload is not None and
+                               offload.device in ("cpu", "nvme"))
     if client is None:
         return None
     if isinstance(client, torch.optim.Optimizer):

@@ -291,7 +291,7 @@ def _gathered_state(engine, exclude_frozen: bool) -> dict | None:
     """Rank 0's copy of the whole module state (None elsewhere), gathering partitioned
     parameters one flat group at a time: no rank ever holds the whole model but rank 0's
     CPU copy."""
-    from deepshard.runtime.zero.stage3 import GatheredParameters
+    from deepshard.runtime.zero.init import GatheredParameters
 
     module, rank0 = engine.module, engine.global_rank == 0
     names: dict[int, list[str]] = {}

@@ -5,6 +5,11 @@ Here ``Adam``/``AdamW`` become torch's AdamW or Adam (fused kernels where torch 
 the fused AdamW is several times faster than the foreach one), ``SGD`` torch's SGD, and
 ``LAMB`` our CUDA :class:`~deepshard.runtime.optim.lamb.KernelLamb` when every parameter is on
 a GPU and CuPy is installed, else our :class:`~deepshard.runtime.optim.lamb.Lamb` (same update).
+``Adagrad`` and ``Lion`` are DeepSpeed's choice by offload (``engine.py``
+``_configure_basic_optimizer``): with ``offload_optimizer`` on the CPU or NVMe, its CPU
+optimizers (:class:`~deepshard.runtime.optim.adagrad.DeepSpeedCPUAdagrad`,
+:class:`~deepshard.runtime.optim.lion.DeepSpeedCPULion`, ours in torch ops), else torch's
+Adagrad and :class:`~deepshard.runtime.optim.lion.FusedLion`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from typing import Any, cast
 import torch
 
 from deepshard.errors import UsageError
+from deepshard.runtime.optim.adagrad import DeepSpeedCPUAdagrad
 from deepshard.runtime.optim.lamb import KernelLamb, Lamb
+from deepshard.runtime.optim.lion import DeepSpeedCPULion, FusedLion
 
 _FUSED_DEVICES = ("cpu", "cuda")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -51,32 +58,55 @@ _LAMB_DEFAULTS: Mapping[str, Any] = {
     "min_coeff": 0.01,
     "amsgrad": False,
 }
+# Adagrad and Lion take the keys of both optimizers a config may build (DeepSpeed passes the
+# params to whichever it picks); a key the picked one lacks must keep its default.
+_ADAGRAD_DEFAULTS: Mapping[str, Any] = {
+    "lr": 1e-2,
+    "eps": 1e-10,
+    "weight_decay": 0.0,
+    "amsgrad": False,
+    "fp32_optimizer_states": True,  # DeepSpeedCPUAdagrad's
+    "lr_decay": 0.0,  # torch's Adagrad's, as the two below
+    "initial_accumulator_value": 0.0,
+}
+_LION_DEFAULTS: Mapping[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "weight_decay": 0.0,
+    "fp32_optimizer_states": True,  # DeepSpeedCPULion's
+    "set_grad_none": True,  # FusedLion's
+}
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
 def build_optimizer(
     type_name: str, params: Mapping[str, object], model_parameters: ParamsT, *,
-    group: Any = None,
+    group: Any = None, cpu_offload: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer a DeepSpeed config's ``optimizer`` section names.
 
     ``Adam`` is decoupled-weight-decay AdamW unless ``adam_w_mode`` is false (then L2 decay,
     torch's Adam), as in DeepSpeed; ``AdamW`` is always AdamW. ``torch_adam`` changes nothing,
     both are torch's. Parameters all on CPU or CUDA with float dtypes get torch's fused kernel.
+    ``Adagrad`` and ``Lion`` build DeepSpeed's CPU optimizers under ``cpu_offload``, else
+    torch's ``Adagrad`` and ``FusedLion``, as DeepSpeed does.
 
     Args:
-        type_name: ``Adam``, ``AdamW``, ``SGD``, ``LAMB``, ``OneBitAdam``, ``ZeroOneAdam``
-            or ``OneBitLamb`` (canonical spelling).
+        type_name: ``Adam``, ``AdamW``, ``SGD``, ``LAMB``, ``Adagrad``, ``Lion``,
+            ``OneBitAdam``, ``ZeroOneAdam`` or ``OneBitLamb`` (canonical spelling).
         params: the section's ``params``; keys left out take DeepSpeed's defaults.
         model_parameters: tensors, or param-group dicts as torch optimizers accept them.
         group: the data-parallel process group the 1-bit optimizers (``OneBitAdam``,
             ``ZeroOneAdam``, ``OneBitLamb``) communicate over (``None``: the default group).
+        cpu_offload: ``zero_optimization.offload_optimizer.device`` is ``cpu`` or ``nvme``
+            (DeepSpeed's ``zero_use_cpu_optimizer()``); picks the Adagrad and Lion built.
 
     Raises:
         UsageError: an unknown type or parameter, a setting torch cannot express
-            (``bias_correction: false`` for Adam, ``amsgrad`` for LAMB), or a value the
-            optimizer rejects; with the config key path.
+            (``bias_correction: false`` for Adam, ``amsgrad`` for LAMB and Adagrad, a key
+            of the Adagrad or Lion not picked), or a value the optimizer rejects; with the
+            config key path.
         ValueError: ``model_parameters`` is empty.
     """
     builder = _BUILDERS.get(type_name)
@@ -92,7 +122,7 @@ def build_optimizer(
     try:
         if builder is None:
             return _onebit(type_name, params, groups, group)
-        return builder(type_name, params, groups)
+        return builder(type_name, params, groups, cpu_offload)
     except ValueError as err:
         raise UsageError(f"{type_name}: {err}", where="optimizer.params") from err
 
@@ -156,7 +186,8 @@ def _settings(type_name: str, params: Mapping[str, object], defaults: Mapping[st
     return {**defaults, **params}
 
 
-def _adam(type_name: str, params: Mapping[str, object], groups: list[Any]) -> torch.optim.Optimizer:
+def _adam(type_name: str, params: Mapping[str, object], groups: list[Any],
+          cpu_offload: bool) -> torch.optim.Optimizer:
     s = _settings(type_name, params, _ADAM_DEFAULTS)
     if not s["bias_correction"]:
         raise UsageError(
@@ -178,7 +209,8 @@ def _adam(type_name: str, params: Mapping[str, object], groups: list[Any]) -> to
     )
 
 
-def _sgd(type_name: str, params: Mapping[str, object], groups: list[Any]) -> torch.optim.Optimizer:
+def _sgd(type_name: str, params: Mapping[str, object], groups: list[Any],
+         cpu_offload: bool) -> torch.optim.Optimizer:
     s = _settings(type_name, params, _SGD_DEFAULTS)
     return torch.optim.SGD(
         groups,
@@ -190,7 +222,8 @@ def _sgd(type_name: str, params: Mapping[str, object], groups: list[Any]) -> tor
     )
 
 
-def _lamb(type_name: str, params: Mapping[str, object], groups: list[Any]) -> torch.optim.Optimizer:
+def _lamb(type_name: str, params: Mapping[str, object], groups: list[Any],
+          cpu_offload: bool) -> torch.optim.Optimizer:
     s = _settings(type_name, params, _LAMB_DEFAULTS)
     if s["amsgrad"]:
         raise UsageError(
@@ -210,6 +243,84 @@ def _lamb(type_name: str, params: Mapping[str, object], groups: list[Any]) -> to
     return Lamb(groups, **s)
 
 
+def _adagrad(type_name: str, params: Mapping[str, object], groups: list[Any],
+             cpu_offload: bool) -> torch.optim.Optimizer:
+    """DeepSpeedCPUAdagrad under offload, else torch's Adagrad (same update, with lr_decay
+    and initial_accumulator_value; its state is ``sum``, not ``exp_avg_sq``)."""
+    s = _settings(type_name, params, _ADAGRAD_DEFAULTS)
+    if s["amsgrad"]:
+        raise UsageError(
+            "Adagrad has no AMSGrad variant",
+            where="optimizer.params.amsgrad",
+            hint="remove amsgrad (DeepSpeed's CPU Adagrad ignores it, torch's Adagrad "
+            "rejects it)",
+        )
+    if not cpu_offload:
+        _refuse_set(type_name, s, _ADAGRAD_DEFAULTS, ("fp32_optimizer_states",),
+                    "torch.optim.Adagrad", cpu_offload)
+        return torch.optim.Adagrad(
+            groups,
+            lr=s["lr"],
+            lr_decay=s["lr_decay"],
+            weight_decay=s["weight_decay"],
+            initial_accumulator_value=s["initial_accumulator_value"],
+            eps=s["eps"],
+        )
+    _refuse_set(type_name, s, _ADAGRAD_DEFAULTS, ("lr_decay", "initial_accumulator_value"),
+                "DeepSpeedCPUAdagrad", cpu_offload)
+    return DeepSpeedCPUAdagrad(
+        groups,
+        lr=s["lr"],
+        eps=s["eps"],
+        weight_decay=s["weight_decay"],
+        fp32_optimizer_states=bool(s["fp32_optimizer_states"]),
+    )
+
+
+def _lion(type_name: str, params: Mapping[str, object], groups: list[Any],
+          cpu_offload: bool) -> torch.optim.Optimizer:
+    """DeepSpeedCPULion under offload, else FusedLion."""
+    s = _settings(type_name, params, _LION_DEFAULTS)
+    beta1, beta2 = cast(Iterable[float], s["betas"])
+    betas = (float(beta1), float(beta2))
+    if cpu_offload:
+        _refuse_set(type_name, s, _LION_DEFAULTS, ("set_grad_none",), "DeepSpeedCPULion",
+                    cpu_offload)
+        return DeepSpeedCPULion(
+            groups,
+            lr=s["lr"],
+            betas=betas,
+            weight_decay=s["weight_decay"],
+            fp32_optimizer_states=bool(s["fp32_optimizer_states"]),
+        )
+    _refuse_set(type_name, s, _LION_DEFAULTS, ("fp32_optimizer_states",), "FusedLion",
+                cpu_offload)
+    return FusedLion(
+        groups,
+        lr=s["lr"],
+        betas=betas,
+        weight_decay=s["weight_decay"],
+        set_grad_none=bool(s["set_grad_none"]),
+    )
+
+
+def _refuse_set(type_name: str, settings: Mapping[str, Any], defaults: Mapping[str, Any],
+                keys: Iterable[str], picked: str, cpu_offload: bool) -> None:
+    """A UsageError for a key among ``keys`` set away from its default: the optimizer
+    ``picked`` (by offload, as DeepSpeed picks) has no such parameter, and DeepSpeed would
+    fail on it with a TypeError. (The key at its default may come from a filled-in schema,
+    so it passes.)"""
+    for key in keys:
+        if settings[key] != defaults[key]:
+            offload = "on" if cpu_offload else "off"
+            raise UsageError(
+                f"{type_name} with offload_optimizer {offload} builds {picked}, which has "
+                f"no parameter {key!r}",
+                where=f"optimizer.params.{key}",
+                hint=f"remove {key}",
+            )
+
+
 def _onebit(type_name: str, params: Mapping[str, object], groups: list[Any],
             group: Any) -> torch.optim.Optimizer:
     """DeepSpeed's 1-bit optimizers, over the data-parallel group: the config's params are
@@ -226,9 +337,13 @@ _ONEBIT: Mapping[str, tuple[str, str]] = {
     "OneBitLamb": ("lamb", "OneBitLamb"),
 }
 
-_BUILDERS: Mapping[str, Callable[[str, Mapping[str, object], list[Any]], torch.optim.Optimizer]] = {
+_BUILDERS: Mapping[
+    str, Callable[[str, Mapping[str, object], list[Any], bool], torch.optim.Optimizer]
+] = {
     "Adam": _adam,
     "AdamW": _adam,
     "SGD": _sgd,
     "LAMB": _lamb,
+    "Adagrad": _adagrad,
+    "Lion": _lion,
 }

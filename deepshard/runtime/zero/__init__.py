@@ -4,9 +4,8 @@ DeepSpeed's user-facing names live here: ``deepshard.zero.Init`` (build a model 
 partitioned) and ``deepshard.zero.GatheredParameters`` (whole parameters inside a block).
 """
 
-from deepshard.runtime.zero.init import Init
+from deepshard.runtime.zero.init import GatheredParameters, Init
 from deepshard.runtime.zero.marks import register_external_parameter, unregister_external_parameter
-from deepshard.runtime.zero.stage3 import GatheredParameters
 from deepshard.runtime.zero.status import ZeroParamStatus
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",

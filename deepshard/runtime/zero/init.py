@@ -39,7 +39,7 @@ from deepshard.runtime.zero.marks import register_external_parameter, unregister
 from deepshard.runtime.zero.partition import ShardSpec
 from deepshard.runtime.zero.status import ZeroParamStatus
 
-__all__ = ["Init", "ZeroParamStatus", "get_accelerator",
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator",
            "register_external_parameter", "unregister_external_parameter",
            "zero_wrapper_for_fp_tensor_constructor"]
 
@@ -75,12 +75,6 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.
     return wrapped_fn
 
 
-def __getattr__(name: str) -> Any:
-    if name == "GatheredParameters":  # stage3 imports this module
-        from deepshard.runtime.zero.stage3 import GatheredParameters
-
-        return GatheredParameters
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Init(contextlib.AbstractContextManager):
@@ -310,3 +304,60 @@ def _whole(module: torch.nn.Module, pg):
         with torch.no_grad():
             for p in own:
                 keep_shard(p, p.data, pg, broadcast=True)
+
+
+class GatheredParameters(contextlib.AbstractContextManager):
+    """DeepSpeed's ``zero.GatheredParameters``: inside the block, the given ZeRO-3
+    parameters are whole on every rank; with ``modifier_rank``, that rank's changes are
+    broadcast and written back into every rank's shard (and fp32 master) on exit.
+
+    Parameters that are not partitioned (stages 0-2, or small persistent ones) are left as
+    they are, as in DeepSpeed; with ``modifier_rank`` their groups are still synchronised.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
+                 enabled: bool = True):
+        del fwd_module  # DeepSpeed's argument for external parameters; not needed here
+        if torch.is_tensor(params):
+            params = [params]
+        self.params = list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self.groups: list[Any] = []  # FlatGroups (flat imports this module)
+        self._was_gathered: list[bool] = []
+        self._init_params: list[torch.nn.Parameter] = []
+
+    def __enter__(self):
+        seen: set[int] = set()
+        for p in self.params:
+            g = getattr(p, "ds_group", None)
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                self.groups.append(g)
+        self._was_gathered = [g.gathered for g in self.groups]
+        for g in self.groups:
+            g.gather()
+        # built under zero.Init and not yet given to initialize: whole for the block
+        self._init_params = [p for p in self.params if hasattr(p, "ds_shard")]
+        for p in self._init_params:
+            init_gather(p)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                with torch.no_grad():
+                    for g in self.groups:
+                        g.broadcast_full(self.modifier_rank)
+                        sync = getattr(g, "on_modified", None)
+                        if sync is not None:
+                            sync()
+                    for p in self._init_params:
+                        init_repartition(p, self.modifier_rank)
+            else:
+                for p in self._init_params:
+                    init_repartition(p, None)
+        finally:
+            for g, was in zip(self.groups, self._was_gathered, strict=True):
+                if not was:
+                    g.release()
+        return None

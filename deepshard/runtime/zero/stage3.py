@@ -42,7 +42,6 @@ same order (as in DeepSpeed: gathers are collectives).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -51,7 +50,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from deepshard.runtime.zero.flat import FlatGroup
-from deepshard.runtime.zero.init import init_gather, init_repartition
 from deepshard.runtime.zero.marks import external_parameters, z3_leaf_module
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
@@ -418,60 +416,3 @@ def _tensors(out) -> Iterable[torch.Tensor]:
     elif isinstance(out, dict):
         for o in out.values():
             yield from _tensors(o)
-
-
-class GatheredParameters(contextlib.AbstractContextManager):
-    """DeepSpeed's ``zero.GatheredParameters``: inside the block, the given ZeRO-3
-    parameters are whole on every rank; with ``modifier_rank``, that rank's changes are
-    broadcast and written back into every rank's shard (and fp32 master) on exit.
-
-    Parameters that are not partitioned (stages 0-2, or small persistent ones) are left as
-    they are, as in DeepSpeed; with ``modifier_rank`` their groups are still synchronised.
-    """
-
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
-                 enabled: bool = True):
-        del fwd_module  # DeepSpeed's argument for external parameters; not needed here
-        if torch.is_tensor(params):
-            params = [params]
-        self.params = list(params) if enabled else []
-        self.modifier_rank = modifier_rank
-        self.groups: list[FlatGroup] = []
-        self._was_gathered: list[bool] = []
-        self._init_params: list[torch.nn.Parameter] = []
-
-    def __enter__(self):
-        seen: set[int] = set()
-        for p in self.params:
-            g = getattr(p, "ds_group", None)
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                self.groups.append(g)
-        self._was_gathered = [g.gathered for g in self.groups]
-        for g in self.groups:
-            g.gather()
-        # built under zero.Init and not yet given to initialize: whole for the block
-        self._init_params = [p for p in self.params if hasattr(p, "ds_shard")]
-        for p in self._init_params:
-            init_gather(p)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if self.modifier_rank is not None and exc[0] is None:
-                with torch.no_grad():
-                    for g in self.groups:
-                        g.broadcast_full(self.modifier_rank)
-                        sync = getattr(g, "on_modified", None)
-                        if sync is not None:
-                            sync()
-                    for p in self._init_params:
-                        init_repartition(p, self.modifier_rank)
-            else:
-                for p in self._init_params:
-                    init_repartition(p, None)
-        finally:
-            for g, was in zip(self.groups, self._was_gathered, strict=True):
-                if not was:
-                    g.release()
-        return None

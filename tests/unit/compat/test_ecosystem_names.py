@@ -43,12 +43,6 @@ EXCLUDED: dict[str, str] = {
     "deepspeed.utils.is_initialized":
         "not a DeepSpeed 0.19.8 name; transformers' esmfold reaches it only when DeepSpeed is "
         "not importable (inverted is_deepspeed_available check) and catches any exception",
-    "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad":
-        "DeepSpeed's C++ CPU Adagrad, deliberately absent (missing.MODULES); accelerate swaps "
-        "it in only for a torch/bnb-32bit Adagrad with optimizer CPU offload",
-    "deepspeed.ops.lion.DeepSpeedCPULion":
-        "DeepSpeed's C++ CPU Lion, deliberately absent (missing.MODULES); accelerate swaps it "
-        "in only for a bnb 32-bit Lion with optimizer CPU offload",
 }
 """DeepSpeed names the ecosystem uses that deepshard does not and should not provide."""
 

@@ -127,7 +127,7 @@ def test_lamb_mapping():
 @pytest.mark.parametrize(
     ("type_name", "params", "where"),
     [
-        ("Adagrad", {}, "optimizer.type"),
+        ("RMSprop", {}, "optimizer.type"),
         ("Adam", {"lr": 0.1, "max_grad_norm": 1.0}, "optimizer.params.max_grad_norm"),
         ("LAMB", {"amsgrad": True}, "optimizer.params.amsgrad"),
         ("SGD", {"lr": 0.1, "nesterov": True}, "optimizer.params"),  # nesterov needs momentum
