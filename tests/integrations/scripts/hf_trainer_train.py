@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save_first", action="store_true", help="save_model() before train()")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
     p.add_argument("--twice", action="store_true", help="train() again on the same Trainer")
+    p.add_argument("--eval_only", action="store_true",
+                   help="evaluate() without training (transformers' inference deepspeed_init)")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--save_model", action="store_true")
@@ -148,8 +150,9 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
                       eval_dataset=dataset(4 * world), callbacks=[Record()])
     if args.save_first:
         trainer.save_model(str(out / "saved_first"))
-    first = trainer.evaluate()["eval_loss"] if args.eval_first else None
-    trainer.train(resume_from_checkpoint=args.resume)
+    first = trainer.evaluate()["eval_loss"] if args.eval_first or args.eval_only else None
+    if not args.eval_only:
+        trainer.train(resume_from_checkpoint=args.resume)
     if args.twice:
         trainer.train()
     result = {"losses": [x["loss"] for x in history if "loss" in x],
