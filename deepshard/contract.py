@@ -61,6 +61,23 @@ holds the ``deepspeed`` package of :mod:`deepshard.compat` (found by path, never
 the launcher, which may only read this leaf)."""
 
 
+def deepspeed_distributions(path: list[str] | None = None) -> list[tuple[str, str, bool]]:
+    """The ``deepspeed`` distributions ``importlib.metadata`` finds on ``path``
+    (``sys.path``), as ``(version, location, ours)``: deepshard's own (the compat shim's, or
+    a ``ds-compat install``, told apart by :data:`COMPAT_SUMMARY`) or a real DeepSpeed.
+    What ``ds_report`` shows and what ``ds-compat install`` refuses over."""
+    import importlib.metadata
+    import sys
+    from pathlib import Path
+
+    found = []
+    for dist in importlib.metadata.distributions(name="deepspeed", path=path or sys.path):
+        ours = COMPAT_SUMMARY in (dist.metadata.get_all("Summary") or [])
+        location = str(Path(str(dist.locate_file(""))).resolve())
+        found.append((dist.version, location, ours))
+    return found
+
+
 def prepend_to_path(shim_dir: str, pythonpath: str | None) -> str:
     """``PYTHONPATH`` with ``shim_dir`` first (once), the existing entries kept after it."""
     rest = [p for p in (pythonpath or "").split(os.pathsep) if p and p != shim_dir]

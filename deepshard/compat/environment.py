@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.metadata
 import os
 import shutil
 import sys
@@ -62,31 +61,12 @@ class Target:
         return cls(Path(paths["purelib"]), Path(paths["scripts"]))
 
 
-@dataclass(frozen=True)
-class Found:
-    """A ``deepspeed`` distribution on the path: where, which version, whether deepshard's."""
-
-    location: Path
-    version: str
-    ours: bool
-
-
-def installed(path: list[str] | None = None) -> list[Found]:
-    """Every ``deepspeed`` distribution ``importlib.metadata`` sees on ``path``
-    (``sys.path``), deepshard's own (the compat shim's too) told apart by their summary."""
-    found = []
-    for dist in importlib.metadata.distributions(name="deepspeed", path=path or sys.path):
-        location = Path(str(dist.locate_file(""))).resolve()
-        found.append(Found(location, dist.version,
-                           contract.COMPAT_SUMMARY in (dist.metadata.get_all("Summary") or [])))
-    return found
-
-
 def _real_deepspeed(target: Target) -> str | None:
     """What makes an install refuse: a DeepSpeed that is not deepshard's, as one phrase."""
-    for dist in installed([str(target.purelib), *sys.path]):
-        if not dist.ours:
-            return f"DeepSpeed {dist.version} is installed in {dist.location}"
+    for version, location, ours in contract.deepspeed_distributions([str(target.purelib),
+                                                                      *sys.path]):
+        if not ours:
+            return f"DeepSpeed {version} is installed in {location}"
     package = target.purelib / "deepspeed"
     if package.exists() and _ours_dist_info(target) is None:
         return f"a 'deepspeed' package that is not deepshard's is at {package}"

@@ -18,13 +18,24 @@ from importlib import metadata
 from pathlib import Path
 
 from deepshard.contract import DEEPSHARD_VERSION as __version__
+from deepshard.contract import deepspeed_distributions
 from deepshard.errors import UsageError
 from deepshard.launcher.env_file import home_dir, read_env_files
 from deepshard.launcher.plan_render import MASK, is_secret
 from deepshard.launcher.resources import cpu_count, gpu_ids
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SHM_WARN_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class DeepSpeedDist:
+    """A ``deepspeed`` distribution on the path: deepshard's own (the compat shim's, or a
+    ``ds-compat install``) or a real DeepSpeed."""
+
+    version: str
+    location: str
+    ours: bool
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,9 @@ class DeepshardInfo:
     version: str
     path: str
     git_revision: str | None
+    deepspeed: list[DeepSpeedDist] = field(default_factory=list)
+    """Every ``deepspeed`` distribution Python sees here: ``ds-compat install`` is active
+    when one is deepshard's."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +270,8 @@ def collect(*, with_torch: bool = True) -> Report:
             devices = [DeviceInfo(i, "NVIDIA GPU", None, None) for i in gpus]
         return Report(
             schema_version=SCHEMA_VERSION,
-            deepshard=DeepshardInfo(__version__, str(package), _git_revision(package)),
+            deepshard=DeepshardInfo(__version__, str(package), _git_revision(package),
+                                    [DeepSpeedDist(*d) for d in deepspeed_distributions()]),
             python=PythonInfo(sys.version.split()[0], sys.executable, platform.platform(),
                               cpu_count()),
             torch=torch_info,

@@ -33,6 +33,21 @@ def _console(stream: TextIO) -> Console:
     return Console(file=stream, highlight=False, width=None if tty else 160)
 
 
+def _compat_line(found: list) -> str:
+    """Whether ``import deepspeed`` is deepshard in this environment, in one line."""
+    ours = [f for f in found if f.ours]
+    real = [f for f in found if not f.ours]
+    if real:
+        where = ", ".join(f"{f.version} at {f.location}" for f in real)
+        return f"no: DeepSpeed {where} is installed (ds-run --deepspeed_compat still " \
+               "presents deepshard to its workers)"
+    if ours:
+        return f"yes: deepspeed {ours[0].version} at {ours[0].location} (ds-compat install; " \
+               "`ds-compat uninstall` removes it)"
+    return "only under ds-run --deepspeed_compat (`ds-compat install` makes it this " \
+           "environment's)"
+
+
 def render_report(report: Report, stream: TextIO) -> None:
     from rich.table import Table
 
@@ -49,7 +64,8 @@ def render_report(report: Report, stream: TextIO) -> None:
 
     d, p, t = report.deepshard, report.python, report.torch
     section("deepshard", [("version", d.version), ("path", d.path),
-                          ("git revision", d.git_revision or "-")])
+                          ("git revision", d.git_revision or "-"),
+                          ("as deepspeed", _compat_line(d.deepspeed))])
     section("python", [("version", p.version), ("executable", p.executable),
                        ("platform", p.platform), ("cpus", str(p.cpus))])
     if t is not None:

@@ -212,6 +212,18 @@ def test_hf_and_accelerate_see_a_deepspeed_distribution_that_names_deepshard(tmp
     assert listed == "True" and summary == contract.COMPAT_SUMMARY
 
 
+def test_a_plain_environment_has_no_deepspeed_distribution(tmp_path):
+    """``pip install deepshard`` presents nothing: only the compat path (the shim's directory
+    first on the path) or ``ds-compat install`` does."""
+    code = ("import importlib.metadata\n"
+            "try:\n    importlib.metadata.version('deepspeed')\n"
+            "except importlib.metadata.PackageNotFoundError:\n    print('absent')\n")
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=environ,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "absent", out.stdout + out.stderr
+
+
 def test_the_shipped_dist_info_is_the_distribution_module_s():
     """The static ``.dist-info`` beside the shim (package data) says what
     :mod:`deepshard.compat.distribution` says, under the name it computes."""

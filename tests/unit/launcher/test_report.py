@@ -49,12 +49,12 @@ def test_json_schema_is_stable():
     if os.environ.get("UPDATE_SNAPSHOTS"):
         SNAPSHOT.write_text(current)
     assert current == SNAPSHOT.read_text()
-    assert collect_mod.SCHEMA_VERSION == 1
+    assert collect_mod.SCHEMA_VERSION == 2
 
 
 def synthetic() -> Report:
     return Report(
-        schema_version=1,
+        schema_version=2,
         deepshard=DeepshardInfo("9.9", "/opt/ds", "abc123"),
         python=PythonInfo("3.11.7", "/usr/bin/python3", "Linux-x", 64),
         torch=TorchInfo("2.13.0+cu130", cuda="13.0", cudnn="91000", nccl="2.27.3",
@@ -87,7 +87,7 @@ def test_json_round_trip_and_preflight():
     checks = [HostCheck("a", True, {"python": "3.11.7"}), HostCheck("b", False,
               problems=["cannot resolve 'b'"], fixes=["check the name"])]
     data = json.loads(to_json(synthetic(), checks))
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     assert data["devices"][0]["memory_bytes"] == 141 * 1024**3
     assert [(c["host"], c["ok"]) for c in data["preflight"]] == [("a", True), ("b", False)]
     out = io.StringIO()
@@ -133,3 +133,14 @@ def test_collect_on_this_machine():
     assert "gloo" in report.torch.backends
     assert report.python.cpus >= 1
     assert report.deepshard.path.endswith("deepshard")
+
+
+def test_the_deepspeed_line_says_whether_ds_compat_install_is_active():
+    from deepshard.launcher.report.collect import DeepSpeedDist
+    from deepshard.launcher.report.render import _compat_line
+
+    assert _compat_line([]).startswith("only under ds-run --deepspeed_compat")
+    ours = DeepSpeedDist("0.19.8+deepshard.0.1.0", "/venv/site", True)
+    assert _compat_line([ours]).startswith("yes: deepspeed 0.19.8+deepshard.0.1.0 at /venv")
+    real = DeepSpeedDist("0.19.8", "/venv/site", False)
+    assert _compat_line([real, ours]).startswith("no: DeepSpeed 0.19.8 at /venv/site")
