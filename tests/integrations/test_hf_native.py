@@ -98,6 +98,24 @@ def test_trainer_evaluation_only_builds_no_scheduler(trainer_job, expected):
     assert got["eval_loss_before"] == pytest.approx(expected["losses"][0], rel=1e-5)
 
 
+def test_zero3_loads_sharded_resizes_trains_and_generates(tmp_path):
+    """transformers sees ZeRO-3 (``is_deepspeed_zero3_enabled``): ``from_pretrained`` loads
+    into shards, ``resize_token_embeddings`` gathers and grows the embedding, and
+    ``generate(synced_gpus=True)`` keeps the ranks in step while they decode prompts of
+    different lengths; losses and tokens equal the same script without DeepSpeed."""
+    compat("hf_z3_model_ops.py", tmp_path / "z3")
+    plain = subprocess.run([sys.executable, str(SCRIPTS / "hf_z3_model_ops.py"), "--plain",
+                            "--out_dir", str(tmp_path / "plain")], capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    want = json.loads((tmp_path / "plain" / "rank0.json").read_text())
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "z3" / f"rank{rank}.json").read_text())
+        assert got["zero3"] and got["partitioned"] and got["vocab"] == want["vocab"] == 136
+        assert close(got["losses"], want["losses"]), (got, want)
+        assert got["generated"][str(rank)] == want["generated"][str(rank)]
+
+
 # ---- Accelerate ------------------------------------------------------------------------------
 
 
