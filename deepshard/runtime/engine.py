@@ -105,6 +105,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self.strategy = parts.strategy
         self._config, self._zero, self._extensions = parts.config, parts.zero, parts.extensions
         self._given = GivenConfig(parts.given, parts.config)
+        self._compiled = False
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.lr_scheduler
         self.loss_scaler = parts.loss_scaler
@@ -195,6 +196,30 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self._monitor.end("fwd")
         self._driver.hook_outputs(out)  # loss.backward() on them: :mod:`..backward`
         return out
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the module in place
+        (``nn.Module.compile``: ``engine(...)`` then runs the compiled forward), at every
+        ZeRO stage. ``backend`` defaults to torch's (``inductor``); DeepSpeed's DeepCompile
+        ``schedule`` and compiled autograd are refused. A second call is a no-op."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise UsageError("engine.compile(schedule=..., compiled_autograd_enabled=...) is "
+                             "DeepSpeed's DeepCompile, which deepshard does not have",
+                             where="engine.compile",
+                             hint="call engine.compile() or engine.compile(backend=...) "
+                                  "without them")
+        if self._compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        kwargs["backend"] = backend or kwargs.get("backend") or "inductor"
+        self.module.compile(**kwargs)
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran."""
+        return self._compiled
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -58,12 +58,16 @@ def trainer_job(tmp_path_factory) -> Path:
     """transformers' own Trainer (``--backend deepspeed``: the script imports nothing of
     deepshard) at ZeRO-2 and ZeRO-3 with an all-"auto" config; stage 3 also checkpoints,
     evaluates, saves and resumes; a LoRA adapter at stage 3; an evaluation-only run with
-    the config's optimizer and scheduler sections (transformers' inference deepspeed_init)."""
+    the config's optimizer and scheduler sections (transformers' inference deepspeed_init);
+    ``torch_compile=True`` at stages 0-3 (Accelerate calls ``engine.compile()``: inductor at
+    stage 3, aot_eager, which traces the same graphs without generating code, below)."""
     out = tmp_path_factory.mktemp("hf_native_trainer")
     cases = ["s2 --stage 2", "s3 --stage 3 --save_steps 3 --evaluate --save_model",
              "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
              "lora --stage 3 --lora --save_steps 3 --save_model",
-             "evalonly --stage 3 --eval_only --config_optim"]
+             "evalonly --stage 3 --eval_only --config_optim",
+             *(f"c{k} --stage {k} --compile aot_eager" for k in (0, 1, 2)),
+             "c3 --stage 3 --compile inductor"]
     compat("hf_trainer_train.py", out, *TRAINER, *[a for c in cases for a in ("--case", c)])
     return out
 
@@ -75,6 +79,14 @@ def test_trainer_equals_plain_torch_and_deepspeed(trainer_job, expected, stage):
     assert close(got["grad_norms"], expected["grad_norms"])
     ds = DEEPSPEED[f"trainer-s{stage}"]
     assert close(got["losses"], ds["losses"]) and close(got["grad_norms"], ds["grad_norms"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_trainer_torch_compile_at_every_stage(trainer_job, expected, stage):
+    got = read(trainer_job / f"c{stage}")
+    assert got["compiled"]
+    assert close(got["losses"], expected["losses"]), (got["losses"], expected["losses"])
+    assert close(got["grad_norms"], expected["grad_norms"])
 
 
 def test_trainer_checkpoints_resume_and_save_in_hf_format(trainer_job):

@@ -35,6 +35,9 @@ Leaf modules (``set_z3_leaf_modules``) are never split: one that would hold unit
 unit itself. A parameter registered as external to a module of another unit
 (``register_external_parameter``) belongs to the root.
 
+Under ``engine.compile()`` the hooks run eagerly (``torch.compiler.disable``): a compiled
+graph breaks around each gather and release, and runs the module's own code between them.
+
 Limits: the root unit (embeddings, head, anything outside the containers) stays gathered
 for the whole forward and the whole backward; every rank must run the same modules in the
 same order (as in DeepSpeed: gathers are collectives).
@@ -217,6 +220,7 @@ class ParamCoordinator:
         self._forwards = 0  # numbers each forward of a unit, for its backward's bookkeeping
 
     # forward ---------------------------------------------------------------------------
+    @torch.compiler.disable
     def _enter_root(self, module: torch.nn.Module, inputs) -> None:
         """A forward entered the root unit, through the root or a wrapper chain below it
         (PEFT's ``generate`` calls the wrapped model's forward, not the PeftModel's); the
@@ -231,6 +235,7 @@ class ParamCoordinator:
         if root.groups or root.frozen:
             self._pre_forward(root, inputs)
 
+    @torch.compiler.disable
     def _leave_root(self, module: torch.nn.Module, inputs, out) -> None:
         if self._entered is not module:
             return
@@ -239,6 +244,7 @@ class ParamCoordinator:
         if root.groups or root.frozen:
             self._post_forward(root, inputs, out)
 
+    @torch.compiler.disable
     def _pre_forward(self, unit: Unit, inputs) -> None:
         del inputs
         if _in_backward():
@@ -250,6 +256,7 @@ class ParamCoordinator:
         else:
             self._prefetch(self._advance(unit.index), +1)
 
+    @torch.compiler.disable
     def _post_forward(self, unit: Unit, inputs, out) -> None:
         if _in_backward():
             return
@@ -298,10 +305,12 @@ class ParamCoordinator:
         return between <= self.max_reuse and live <= self.max_live
 
     # backward --------------------------------------------------------------------------
+    @torch.compiler.disable
     def _on_output_grad(self, unit: Unit, call: int, inputs: int, grad) -> None:
         del grad
         self._pre_backward(unit, call, inputs)
 
+    @torch.compiler.disable
     def _pre_backward(self, unit: Unit, call: int, inputs: int) -> None:
         unit.gather()
         if unit.frozen and inputs and call not in unit.active and call not in unit.done:
@@ -309,6 +318,7 @@ class ParamCoordinator:
         if not self._recording:
             self._prefetch(self._retreat(unit.index), -1)
 
+    @torch.compiler.disable
     def _input_grad(self, unit: Unit, call: int) -> None:
         """A gradient reached one input of forward ``call`` of ``unit``: backward through
         that forward is done once all of them have."""

@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save_first", action="store_true", help="save_model() before train()")
     p.add_argument("--eval_first", action="store_true", help="evaluate() before train()")
     p.add_argument("--twice", action="store_true", help="train() again on the same Trainer")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="torch_compile=True with this torch_compile_backend")
     p.add_argument("--eval_only", action="store_true",
                    help="evaluate() without training (transformers' inference deepspeed_init)")
     p.add_argument("--save_steps", type=int, default=0)
@@ -132,7 +134,9 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         train_sampling_strategy="sequential", seed=0, deepspeed=ds_config(args),
         disable_tqdm=True, bf16=args.bf16, auto_find_batch_size=args.auto_batch,
         eval_strategy="steps" if args.best else "no", eval_steps=args.save_steps or None,
-        load_best_model_at_end=args.best, use_cpu=not torch.cuda.is_available())
+        load_best_model_at_end=args.best, use_cpu=not torch.cuda.is_available(),
+        **({"torch_compile": True, "torch_compile_backend": args.compile} if args.compile
+           else {}))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if args.lora:
         import peft
@@ -161,6 +165,10 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
               "steps": [x["step"] for x in history if "loss" in x]}
     if first is not None:
         result["eval_loss_before"] = first
+    if args.compile:
+        engine = trainer.model_wrapped
+        result["compiled"] = bool(getattr(engine, "is_compiled", False)) and getattr(
+            engine.module, "_compiled_call_impl", None) is not None
     if args.evaluate:
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
     if args.save_model:
