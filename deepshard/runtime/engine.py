@@ -216,6 +216,20 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self.module.compile(**kwargs)
         self._compiled = True
 
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's ``engine.offload_states`` (moving the ZeRO-3 optimizer's buffers to
+        the CPU between phases, as RLHF trainers do): not available in deepshard."""
+        del include, device, pin_memory, non_blocking
+        raise UsageError("engine.offload_states()/reload_states() are not available in "
+                         "deepshard", where="engine.offload_states",
+                         hint="keep the states where they are, or offload the optimizer for "
+                              "the whole run with zero_optimization.offload_optimizer")
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``engine.reload_states``: see :meth:`offload_states`."""
+        self.offload_states(non_blocking=non_blocking)
+
     @property
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` ran."""
