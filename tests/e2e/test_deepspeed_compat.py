@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from deepshard.compat import distribution
 from tests.helpers import SCRIPTS, run_ds, tagged_json
 
 SCRIPT = str(SCRIPTS / "deepspeed_user.py")
@@ -16,7 +17,7 @@ def test_a_deepspeed_script_joins_the_job():
         assert prefix == f"[localhost:{rank}]"
         assert data == {"rank": rank, "world": 2, "local_rank": rank, "module": "deepshard",
                         "warmup": "deepshard.runtime.lr_schedules",
-                        "deepspeed_distribution": False}
+                        "deepspeed_distribution": distribution.version()}
 
 
 def test_a_missing_deepspeed_module_is_one_line_per_rank():

@@ -27,10 +27,9 @@ from deepspeed.runtime.lr_schedules import WarmupLR  # noqa: E402
 
 deepspeed.init_distributed()
 try:
-    importlib.metadata.distribution("deepspeed")
-    installed = True
+    installed = importlib.metadata.version("deepspeed")
 except importlib.metadata.PackageNotFoundError:
-    installed = False
+    installed = None
 print("COMPAT " + json.dumps({
     "rank": dist.get_rank(), "world": dist.get_world_size(), "local_rank": args.local_rank,
     "module": deepspeed.__name__, "warmup": WarmupLR.__module__,
