@@ -153,6 +153,9 @@ def install(shim_dir: str = SHIM_DIR) -> ModuleType:
     if not any(isinstance(f, AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, AliasFinder())
         _explain_missing_attributes(deepshard)
+        from deepshard.compat import transformers_hook
+
+        transformers_hook.adopt()
         real = real_deepspeed(shim_dir)
         if real is not None and os.environ.get(contract.RANK, "0") == "0":
             import logging  # only now: ~10 ms

@@ -55,10 +55,17 @@ WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.inde
 
 
 # the public API -------------------------------------------------------------------------
-def register(config: Any) -> None:
+def register(config: Any, transformers_own: Any = None) -> None:
     """Make ``config`` the live DeepSpeed-style config of this process (the latest wins, as
     in transformers): at stage 3, HF models are then built partitioned until it is
-    garbage-collected; any other stage ends a previous registration."""
+    garbage-collected; any other stage ends a previous registration.
+
+    ``transformers_own``: ``config`` is transformers' own ``HfDeepSpeedConfig`` (the
+    ``--deepspeed_compat`` path), registered in this module of transformers
+    (``transformers.integrations.deepspeed``). ``from_pretrained`` then reads by slices here
+    with transformers' ZeRO-3 switch off for the call (its own ZeRO-3 path would read every
+    tensor whole on every rank); ``from_config`` stays transformers' ZeRO-3 path, which
+    builds under ``deepspeed.zero.Init`` (deepshard's) as with DeepSpeed."""
     import transformers
 
     base = transformers.PreTrainedModel
@@ -66,7 +73,7 @@ def register(config: Any) -> None:
     if current is not None:
         current.uninstall()
     if config.is_zero3():
-        _Registration(base, config).install()
+        _Registration(base, config, transformers_own).install()
 
 
 def active_config() -> Any | None:
@@ -87,14 +94,17 @@ def bytes_read(model: torch.nn.Module) -> int:
 class _Registration:
     """The patched methods of ``PreTrainedModel`` while one config is alive."""
 
-    def __init__(self, base: type, config: Any):
+    def __init__(self, base: type, config: Any, transformers_own: Any = None):
         self.base = base
         self.config = weakref.ref(config)
+        self.transformers_own = transformers_own
         self.saved: dict[str, Any] = {}
         self.finalizer: weakref.finalize | None = None
 
     def install(self) -> None:
         for name, wrap in _WRAPPERS.items():
+            if self.transformers_own is not None and name == "_from_config":
+                continue  # transformers' own ZeRO-3 build (see register)
             self.saved[name] = self.base.__dict__[name]
             setattr(self.base, name, wrap(self, self.saved[name]))
         setattr(self.base, _REGISTRATION, self)
@@ -123,7 +133,15 @@ def _wrap_from_pretrained(reg: _Registration, original: Any) -> classmethod:
             _ensure_distributed()
             if kwargs.get("state_dict") is None:
                 _require_weights(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
-        return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+        own = reg.transformers_own if reg.live() else None
+        if own is None:
+            return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+        switch = own._hf_deepspeed_config_weak_ref
+        own._hf_deepspeed_config_weak_ref = None  # built on meta, read by slices: here
+        try:
+            return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+        finally:
+            own._hf_deepspeed_config_weak_ref = switch
 
     return classmethod(from_pretrained)
 

@@ -112,7 +112,8 @@ def test_trainer_evaluation_only_builds_no_scheduler(trainer_job, expected):
 
 def test_zero3_loads_sharded_resizes_trains_and_generates(tmp_path):
     """transformers sees ZeRO-3 (``is_deepspeed_zero3_enabled``): ``from_pretrained`` loads
-    into shards, ``resize_token_embeddings`` gathers and grows the embedding, and
+    into shards through deepshard's sliced reader (each rank reads about half of the
+    checkpoint's tensor bytes), ``resize_token_embeddings`` gathers and grows the embedding, and
     ``generate(synced_gpus=True)`` keeps the ranks in step while they decode prompts of
     different lengths; losses and tokens equal the same script without DeepSpeed."""
     compat("hf_z3_model_ops.py", tmp_path / "z3")
@@ -124,6 +125,7 @@ def test_zero3_loads_sharded_resizes_trains_and_generates(tmp_path):
     for rank in (0, 1):
         got = json.loads((tmp_path / "z3" / f"rank{rank}.json").read_text())
         assert got["zero3"] and got["partitioned"] and got["vocab"] == want["vocab"] == 136
+        assert 0 < got["bytes_read"] < 0.6 * got["checkpoint_bytes"], got
         assert close(got["losses"], want["losses"]), (got, want)
         assert got["generated"][str(rank)] == want["generated"][str(rank)]
 

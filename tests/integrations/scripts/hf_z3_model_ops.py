@@ -47,6 +47,9 @@ def main() -> None:
         disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     loaded_partitioned = model.model.embed_tokens.weight.numel() == 0
+    # what deepshard's sliced reader read on this rank (0 when transformers' own ZeRO-3
+    # path read the checkpoint: every tensor whole)
+    read = getattr(model, "_deepshard_bytes_read", 0)
     model.resize_token_embeddings(NEW_VOCAB, mean_resizing=False)
     trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset(8))
     trainer.train()
@@ -66,7 +69,8 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({
         "zero3": is_deepspeed_zero3_enabled(), "partitioned": loaded_partitioned,
         "vocab": (weight.ds_shape if hasattr(weight, "ds_shape") else weight.shape)[0],
-        "losses": losses, "generated": generated}))
+        "losses": losses, "generated": generated, "bytes_read": read,
+        "checkpoint_bytes": (model_dir / "model.safetensors").stat().st_size}))
 
 
 if __name__ == "__main__":
