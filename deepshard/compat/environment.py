@@ -10,7 +10,9 @@ environment itself. ``ds-compat install`` writes, into the running interpreter's
 - ``deepspeed-0.19.8+deepshard.X.dist-info/``: the distribution's metadata
   (:mod:`.distribution`), an ``INSTALLER`` and a ``RECORD`` of every file written, so
   ``ds-compat uninstall`` and ``pip uninstall deepspeed`` both remove exactly those;
-- ``deepspeed``: the command, ``ds-run --deepspeed_compat``.
+- ``deepspeed``: the command, ``ds-run --deepspeed_compat``;
+- ``deepshard-compat.pth``: at interpreter start, what the shim's ``sitecustomize`` does
+  for ``ds-run --deepspeed_compat`` workers (:mod:`.transformers_hook`).
 
 It refuses, without writing anything, when a real DeepSpeed is installed (a ``deepspeed``
 distribution or package that is not deepshard's), and never comes with ``pip install
@@ -35,6 +37,11 @@ from deepshard.compat import distribution
 from deepshard.errors import EXIT_USAGE, UsageError
 
 INSTALLER = "ds-compat"
+PTH = "deepshard-compat.pth"
+# run at every start of this environment's interpreter (a finder only; no torch, no
+# transformers): transformers' own HfDeepSpeedConfig then reaches deepshard's ZeRO-3 loader
+# also when a script builds it before anything imports deepspeed
+PTH_LINE = ("import deepshard.compat.transformers_hook as _ds_hook; _ds_hook.adopt()\n")
 
 SCRIPT = """#!{python}
 # written by ds-compat install: DeepSpeed's `deepspeed` command is `ds-run --deepspeed_compat`
@@ -116,8 +123,10 @@ def install(target: Target) -> list[Path]:
         "[console_scripts]\ndeepspeed = deepshard.launcher.entry:deepspeed_main\n")
     script.write_text(SCRIPT.format(python=sys.executable))
     script.chmod(0o755)
+    hook = target.purelib / PTH
+    hook.write_text(PTH_LINE)
     written = [package, info / "METADATA", info / "INSTALLER", info / "top_level.txt",
-               info / "entry_points.txt", script]
+               info / "entry_points.txt", script, hook]
     record = info / "RECORD"
     rows = [_record_row(target.purelib, path) for path in written]
     record.write_text("\n".join([*rows, f"{os.path.relpath(record, target.purelib)},,"]) + "\n")

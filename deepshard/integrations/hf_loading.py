@@ -164,11 +164,18 @@ def _wrap_load(reg: _Registration, original: Any) -> staticmethod:
     @functools.wraps(func)
     def _load_pretrained_model(model: Any, state_dict: Any, checkpoint_files: Any,
                                load_config: Any, expected_keys: Any = None) -> Any:
-        if not reg.live() or load_config.hf_quantizer is not None:
+        if not reg.live() or load_config.hf_quantizer is not None or not _on_meta(model):
+            # (not on the meta device: built by transformers' own ZeRO-3 path, under
+            # zero.Init, before the compat path registered the config; its loader goes on)
             return func(model, state_dict, checkpoint_files, load_config, expected_keys)
         return load_partitioned(model, state_dict, checkpoint_files, load_config), None
 
     return staticmethod(_load_pretrained_model)
+
+
+def _on_meta(model: Any) -> bool:
+    """Whether ``model`` was built on the meta device (transformers' non-ZeRO-3 build)."""
+    return all(p.device.type == "meta" for p in model.parameters())
 
 
 def _wrap_finalize(reg: _Registration, original: Any) -> staticmethod:

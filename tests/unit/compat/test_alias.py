@@ -224,6 +224,23 @@ def test_a_plain_environment_has_no_deepspeed_distribution(tmp_path):
     assert out.stdout.strip() == "absent", out.stdout + out.stderr
 
 
+def test_the_shim_s_sitecustomize_adopts_and_runs_the_one_it_shadows(tmp_path):
+    """Workers start with the transformers hook's finder installed (no transformers, no
+    torch imported), and a ``sitecustomize`` later on the path still runs."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.OTHER_RAN = True\n")
+    code = ("import sys, builtins\n"
+            "from deepshard.compat import transformers_hook as h\n"
+            "print(any(isinstance(f, h._Finder) for f in sys.meta_path),\n"
+            "      getattr(builtins, 'OTHER_RAN', False), 'torch' in sys.modules,\n"
+            "      'transformers' in sys.modules)\n")
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([SHIM_DIR, str(other)]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=environ,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True", "False", "False"], out.stderr
+
+
 def test_the_shipped_dist_info_is_the_distribution_module_s():
     """The static ``.dist-info`` beside the shim (package data) says what
     :mod:`deepshard.compat.distribution` says, under the name it computes."""

@@ -30,7 +30,7 @@ def test_install_writes_the_shim_the_distribution_and_the_command(target, tmp_pa
     assert set(written) == {target.purelib / "deepspeed" / "__init__.py",
                             *(info / n for n in ("METADATA", "INSTALLER", "top_level.txt",
                                                  "entry_points.txt", "RECORD")),
-                            target.scripts / "deepspeed"}
+                            target.scripts / "deepspeed", target.purelib / env.PTH}
     assert (info / "METADATA").read_text() == distribution.metadata_text()
     record = (info / "RECORD").read_text().splitlines()
     assert len(record) == len(written) and record[-1].endswith("RECORD,,")
@@ -58,7 +58,7 @@ def test_uninstall_removes_exactly_what_install_wrote(target, tmp_path):
 def test_install_again_replaces_the_earlier_install(target):
     env.install(target)
     again = env.install(target)
-    assert len(again) == 7 and len(list(target.purelib.glob("deepspeed-*.dist-info"))) == 1
+    assert len(again) == 8 and len(list(target.purelib.glob("deepspeed-*.dist-info"))) == 1
 
 
 def fake_real_deepspeed(site: Path) -> None:
