@@ -42,6 +42,17 @@ class UsageError(Exception):
         return " ".join(text.split("\n"))
 
 
+class UsageAssertionError(UsageError, AssertionError):
+    """A :class:`UsageError` where DeepSpeed raises ``AssertionError`` (``initialize``
+    without a model, ``no_sync`` misuse): code written for DeepSpeed that catches
+    ``AssertionError`` still catches it; the message is deepshard's one line."""
+
+
+class UsageValueError(UsageError, ValueError):
+    """A :class:`UsageError` where DeepSpeed raises ``ValueError`` (``save_checkpoint``
+    without a directory)."""
+
+
 def render(exc: UsageError) -> str:
     """The one line a user sees for ``exc``."""
     return f"deepshard: error: {exc}"

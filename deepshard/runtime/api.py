@@ -24,7 +24,7 @@ from deepshard.comm.distributed import DEFAULT_PORT, init_distributed
 from deepshard.config import parse_config, read_config_source, with_batch_triad
 from deepshard.config.schema_optim import ONEBIT_OPTIMIZERS
 from deepshard.contract import RESTART_COUNT
-from deepshard.errors import UsageError, install_exit_hooks
+from deepshard.errors import UsageAssertionError, UsageError, install_exit_hooks
 from deepshard.runtime.allocator import fix_mmap_threshold
 from deepshard.runtime.assembly.model import prepare_model, training_device
 from deepshard.runtime.assembly.strategy import build_strategy
@@ -63,9 +63,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
             (uncaught in a worker: one line and exit code 2).
     """
     if model is None:
-        raise UsageError("deepshard.initialize() needs a model", where="initialize(model=...)",
+        raise UsageAssertionError("deepshard.initialize() needs a model",
+                                  where="initialize(model=...)",
                          hint="pass the torch.nn.Module to train as model=")
     source = _config_source(args, config if config is not None else config_params)
+    if dist_init_required is False and not dist.is_initialized():
+        raise UsageAssertionError("initialize(dist_init_required=False) but no process group "
+                                  "exists", where="deepshard.initialize",
+                                  hint="call deepshard.init_distributed() (or torch's "
+                                       "init_process_group) first, or leave "
+                                       "dist_init_required unset")
     _join(distributed_port)
     loaded, layout = _config_and_layout(source, model, mpu, without_optimizer=optimizer is None)
     cfg, extensions, zero = loaded.config, load_extensions(), ZeroSpec.from_config(loaded.config)

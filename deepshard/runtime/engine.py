@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from deepshard.config.given import GivenConfig
-from deepshard.errors import UsageError
+from deepshard.errors import UsageAssertionError, UsageError
 from deepshard.liveness import heartbeat
 from deepshard.runtime.backward import BackwardDriver
 from deepshard.runtime.engine_getters import EngineGetters
@@ -197,6 +197,21 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self._driver.hook_outputs(out)  # loss.backward() on them: :mod:`..backward`
         return out
 
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's delegation: a name the engine lacks is the module's
+        (``engine.generate``, ``engine.config_class``, a custom method of the model)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                                     f"{name!r}") from None
+
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` the module in place
@@ -280,12 +295,12 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         """Backwards inside the block accumulate without reducing (DDP's and DeepSpeed's
         ``no_sync``); not at ZeRO stages 2-3, which reduce during every backward."""
         if self._zero.shards_gradients:
-            raise UsageError(f"engine.no_sync() at ZeRO stage {self._zero.stage}",
+            raise UsageAssertionError(f"engine.no_sync() at ZeRO stage {self._zero.stage}",
                              where="engine.no_sync",
                              hint="stages 2-3 reduce gradients into shards during every "
                                   "backward: use gradient_accumulation_steps instead")
         if self._no_sync:
-            raise UsageError("engine.no_sync() entered twice", where="engine.no_sync",
+            raise UsageAssertionError("engine.no_sync() entered twice", where="engine.no_sync",
                              hint="nest no_sync() blocks once")
         self._no_sync = True
         try:
@@ -311,7 +326,8 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary apply the optimizer step."""
         if self._no_sync:
-            raise UsageError("engine.step() inside engine.no_sync()", where="engine.step",
+            raise UsageAssertionError("engine.step() inside engine.no_sync()",
+                                      where="engine.step",
                              hint="leave the no_sync() block, run a backward outside it, "
                                   "then step")
         self._driver.reap()

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 
 from deepshard.contract import DEEPSHARD_VERSION as __version__
-from deepshard.errors import UsageError
+from deepshard.errors import UsageError, UsageValueError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position
 from deepshard.runtime.checkpoint import format as fmt
@@ -34,6 +34,10 @@ logger = logging.getLogger("deepshard")
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True,
                     exclude_frozen_parameters=False) -> bool:
     """``engine.save_checkpoint`` (see there)."""
+    if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+        raise UsageValueError(f"save_dir must be a non-empty string, got {save_dir!r}",
+                              where="engine.save_checkpoint",
+                              hint="pass the directory to save the checkpoint in")
     exclude = bool(exclude_frozen_parameters)
     tag = fmt.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     _same_directory_everywhere(engine, save_dir)

@@ -116,14 +116,20 @@ class FlatGroup:
             self._work = None
             self._attach()
 
-    def release(self) -> None:
-        """Drop the full buffer of a partitioned group (its shard stays)."""
+    def release(self, keep_taken: bool = False) -> None:
+        """Drop the full buffer of a partitioned group (its shard stays). ``keep_taken``:
+        tensors taken from the gathered parameters (a ``state_dict()`` inside
+        ``GatheredParameters``) stay valid, holding the values of that moment, as with
+        DeepSpeed: the buffer is let go rather than freed in place, and the next gather
+        fills a new one."""
         if not self.partitioned:
             return
         self.wait()
         self.full = None
         for p in self.params:
             p.data = self._empty
+        if keep_taken:
+            self._buffer = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
         self._buffer.untyped_storage().resize_(0)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
         self._show_shards()

@@ -359,5 +359,5 @@ class GatheredParameters(contextlib.AbstractContextManager):
         finally:
             for g, was in zip(self.groups, self._was_gathered, strict=True):
                 if not was:
-                    g.release()
+                    g.release(keep_taken=True)
         return None

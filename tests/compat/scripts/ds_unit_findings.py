@@ -1,0 +1,93 @@
+"""Behaviours DeepSpeed's own unit tests check, in an unedited DeepSpeed script (2 ranks,
+``import deepspeed`` is deepshard). Each rank saves ``rank<r>.pt``: a dict of what it saw,
+by case."""
+
+from __future__ import annotations
+
+import argparse
+
+import deepspeed
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--local_rank", type=int, default=-1)
+p.add_argument("--out_dir", required=True)
+args = p.parse_args()
+deepspeed.init_distributed()
+rank = torch.distributed.get_rank()
+seen: dict = {}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+    def magic(self, k):
+        return f"magic {k}"
+
+
+def engine_at(stage: int):
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=Net(), config=config)
+    return engine
+
+
+# 1. tensors taken inside GatheredParameters outlive the block (DeepSpeed: a snapshot)
+engine = engine_at(3)
+params = list(engine.module.parameters())
+with deepspeed.zero.GatheredParameters(params):
+    state = {k: v for k, v in engine.module.state_dict().items()}
+    whole = [p.data for p in params]
+seen["gathered_shapes"] = [tuple(v.shape) for v in state.values()]
+seen["gathered_sums"] = [float(v.sum()) for v in state.values()]  # used to crash
+seen["gathered_data_sums"] = [float(t.sum()) for t in whole]
+seen["released"] = [p.data.numel() for p in params]
+
+# 4. the engine delegates unknown attributes to the module
+seen["magic"] = engine.magic(3)
+seen["head_is_module"] = engine.head is engine.module.head
+try:
+    seen["missing"] = engine.nonexistent
+except AttributeError as exc:
+    seen["missing"] = str(exc)
+
+# 9. save_checkpoint needs a directory: ValueError, as DeepSpeed
+for bad in (None, ""):
+    try:
+        engine.save_checkpoint(bad)
+    except ValueError as exc:
+        seen[f"save_{bad!r}"] = type(exc).__name__
+
+# 14. DeepSpeed's AssertionErrors stay catchable as AssertionError
+try:
+    with engine.no_sync():
+        pass
+except AssertionError:
+    seen["no_sync_stage3"] = "AssertionError"
+try:
+    deepspeed.initialize(model=None, config={"train_micro_batch_size_per_gpu": 1})
+except AssertionError:
+    seen["model_none"] = "AssertionError"
+engine0 = engine_at(0)
+try:
+    with engine0.no_sync(), engine0.no_sync():
+        pass
+except AssertionError:
+    seen["no_sync_twice"] = "AssertionError"
+try:
+    with engine0.no_sync():
+        engine0.step()
+except AssertionError:
+    seen["step_in_no_sync"] = "AssertionError"
+
+torch.save(seen, f"{args.out_dir}/rank{rank}.pt")

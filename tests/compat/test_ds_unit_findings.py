@@ -1,0 +1,71 @@
+"""What DeepSpeed's own unit tests found different (issue 41), each checked against
+DeepSpeed 0.19.8 on this machine (2 gloo ranks, ``DS_ACCELERATOR=cpu``) and written here
+as what it did; one job runs every case (``scripts/ds_unit_findings.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.compat.common import run_compat
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> list[dict]:
+    return run_compat("ds_unit_findings.py", tmp_path_factory.mktemp("findings"))
+
+
+def test_tensors_taken_inside_gathered_parameters_outlive_the_block(seen):
+    """DeepSpeed 0.19.8: after the block ``p.data`` is empty again, but a ``state_dict()``
+    and ``p.data`` references taken inside keep their full shapes and values (a snapshot;
+    ``free_param`` rebinds ``.data``). deepshard freed the buffer in place: summing them
+    killed the worker."""
+    for rank in seen:
+        assert rank["gathered_shapes"] == [(8, 8), (8,), (8, 8), (8,), (4, 8), (4,)]
+        assert rank["released"] == [0] * 6
+        assert rank["gathered_sums"] == rank["gathered_data_sums"]
+        assert any(abs(s) > 0 for s in rank["gathered_sums"])
+    assert seen[0]["gathered_sums"] == seen[1]["gathered_sums"]
+
+
+def test_the_engine_delegates_unknown_attributes_to_the_module(seen):
+    """DeepSpeed 0.19.8: ``engine.magic(3)`` calls the model's method, ``engine.moe_1`` is
+    the submodule; a name neither has is an AttributeError naming the engine."""
+    for rank in seen:
+        assert rank["magic"] == "magic 3" and rank["head_is_module"]
+        assert "object has no attribute 'nonexistent'" in rank["missing"]
+
+
+def test_save_checkpoint_without_a_directory_is_a_value_error(seen):
+    """DeepSpeed 0.19.8: ``ValueError: save_dir must be a non-empty string, got None``
+    (and ``''``)."""
+    for rank in seen:
+        assert rank["save_None"] == rank["save_''"] == "UsageValueError"
+
+
+def test_misuse_deepspeed_asserts_on_is_catchable_as_assertion_error(seen):
+    """DeepSpeed 0.19.8 raises AssertionError for ``no_sync`` at stage 3, entering it
+    twice, ``step()`` inside it, and ``initialize(model=None)``; deepshard keeps its one
+    line, as an ``AssertionError`` too."""
+    for rank in seen:
+        for key in ("no_sync_stage3", "model_none", "no_sync_twice", "step_in_no_sync"):
+            assert rank[key] == "AssertionError", key
+
+
+def test_dist_init_required_false_without_a_process_group_fails_at_once(tmp_path):
+    """DeepSpeed 0.19.8: ``AssertionError: Distributed backend is not initialized...`` in
+    0.01 s; deepshard waited for a rendezvous that never came."""
+    code = ("import torch, deepshard\n"
+            "try:\n"
+            "    deepshard.initialize(model=torch.nn.Linear(2, 2), dist_init_required=False,\n"
+            "                         config={'train_micro_batch_size_per_gpu': 1})\n"
+            "except AssertionError as exc:\n"
+            "    print('AssertionError', 'dist_init_required' in str(exc))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
+                         capture_output=True, timeout=60)
+    assert out.stdout.split() == ["AssertionError", "True"], out.stderr[-2000:]
