@@ -16,21 +16,17 @@ xfail, so an exclusion that stops being needed fails until it is removed.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deepshard.compat import paths
-from deepshard.compat.alias import resolve
+from deepshard.compat.audit import collect_package, collect_source, package_names, resolve_dotted
 from deepshard.contract import SHIM_DIR
-from tests.unit.compat.ecosystem_names import collect_package, collect_source
 
 PACKAGES = ("transformers", "accelerate", "peft", "trl", "lightning")
 
@@ -51,15 +47,6 @@ EXCLUDED: dict[str, str] = {
 
 
 @functools.cache
-def package_names(package: str) -> dict[str, list[str]] | None:
-    """The DeepSpeed names ``package``'s installed source uses -> their sites; None when
-    it is not installed. Found by spec, so the package itself is not imported."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return collect_package(Path(next(iter(spec.submodule_search_locations))))
-
-
 def _cases() -> list[Any]:
     cases: list[Any] = []
     for package in PACKAGES:
@@ -76,26 +63,6 @@ def _cases() -> list[Any]:
 
 
 # --- resolving -------------------------------------------------------------------------------
-
-
-def resolve_dotted(name: str) -> Any:
-    """The object ``name`` is under the alias: :func:`resolve` for the longest prefix it
-    answers, then ``getattr`` along the rest. A rest that crosses a package the alias builds
-    from table rows (``deepspeed.utils``) is not walked by ``getattr`` on deepshard (the alias
-    looks such names up in the table, which ``resolve`` already asked). Raises
-    ``LookupError`` or ``AttributeError`` for a name that does not resolve."""
-    parts = name.split(".")
-    for end in range(len(parts), 0, -1):
-        if any(paths.is_built(".".join(parts[:k])) for k in range(end + 1, len(parts) + 1)):
-            break
-        try:
-            found = resolve(".".join(parts[:end]))
-        except LookupError:
-            continue
-        for attribute in parts[end:]:
-            found = getattr(found, attribute)
-        return found
-    raise LookupError(f"{name}: neither deepshard's DeepSpeed path table nor deepshard has it")
 
 
 @pytest.mark.parametrize(("package", "name"), _cases())
@@ -234,3 +201,18 @@ def test_collect_package_walks_files_and_names_sites_from_the_package(tmp_path):
         "deepspeed.zero": ["tool/sub/zero.py:1"],
         "deepspeed.zero.Init": ["tool/sub/zero.py:2"],
     }
+
+
+def test_the_audit_command_lists_names_and_exits_1_on_a_missing_one(tmp_path, capsys):
+    from deepshard.compat.audit import main
+
+    script = tmp_path / "train.py"
+    script.write_text("import deepspeed\nfrom deepspeed.zero import Init\n"
+                      "deepspeed.not_a_deepspeed_name()\n")
+    assert main([str(script)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert f"{script}: ok      deepspeed.zero.Init" in out
+    assert any("MISSING deepspeed.not_a_deepspeed_name" in line and "train.py:3" in line
+               for line in out)
+    assert out[-1] == f"{script}: 3 names, 2 resolve, 1 do not"
+    assert main([str(tmp_path / "absent.py")]) == 2

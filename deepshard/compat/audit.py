@@ -1,4 +1,6 @@
-"""Which DeepSpeed names a Python package uses, read from its source (no import of it).
+"""Which DeepSpeed names a Python file or package uses, read from its source (no import of
+it), and whether deepshard resolves each: ``scripts/ds_names.py`` (the audit of issue 41)
+and the ecosystem test (``tests/unit/compat/test_ecosystem_names.py``).
 
 The HF ecosystem (transformers, accelerate, peft, trl) reaches into DeepSpeed by dotted name;
 under ``--deepspeed_compat`` each of those names must resolve to deepshard. This module finds
@@ -167,7 +169,7 @@ class _Collector(ast.NodeVisitor):
                 self.record(alias.name, node)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        if node.level != 0 or not is_deepspeed(node.module):
+        if node.level != 0 or node.module is None or not is_deepspeed(node.module):
             return
         for alias in node.names:
             self.record(node.module if alias.name == "*" else f"{node.module}.{alias.name}",
@@ -184,3 +186,94 @@ class _Collector(ast.NodeVisitor):
             self.generic_visit(node)  # a call's or subscript's attributes: look inside only
             return
         self.record(".".join([base, *reversed(chain)]), node)
+
+
+# --- resolving and the command line -------------------------------------------------------------
+
+
+def package_names(package: str) -> dict[str, list[str]] | None:
+    """The DeepSpeed names ``package``'s installed source uses -> their sites; None when
+    it is not installed. Found by spec, so the package itself is not imported."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # not a module name (a path that does not exist)
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return collect_package(Path(next(iter(spec.submodule_search_locations))))
+
+
+def resolve_dotted(name: str) -> object:
+    """The object ``name`` is under the alias: :func:`deepshard.compat.alias.resolve` for
+    the longest prefix it answers, then ``getattr`` along the rest. A rest that crosses a
+    package the alias builds from table rows (``deepspeed.utils``) is not walked by
+    ``getattr`` on deepshard (the alias looks such names up in the table, which ``resolve``
+    already asked). Raises ``LookupError`` or ``AttributeError`` when it does not resolve."""
+    from deepshard.compat import paths
+    from deepshard.compat.alias import resolve
+
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if any(paths.is_built(".".join(parts[:k])) for k in range(end + 1, len(parts) + 1)):
+            break
+        try:
+            found = resolve(".".join(parts[:end]))
+        except LookupError:
+            continue
+        for attribute in parts[end:]:
+            found = getattr(found, attribute)
+        return found
+    raise LookupError(f"{name}: neither deepshard's DeepSpeed path table nor deepshard has it")
+
+
+def audit(target: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The names ``target`` (a ``.py`` file, a directory, or an installed package's name)
+    uses with their sites, and those that do not resolve -> why."""
+    path = Path(target)
+    if path.is_file():
+        names = collect_source(path.read_text(encoding="utf-8"), str(path))
+    elif path.is_dir():
+        names = collect_package(path)
+    else:
+        found = package_names(target)
+        if found is None:
+            raise FileNotFoundError(f"{target}: not a file, a directory or an installed package")
+        names = found
+    missing = {}
+    for name in names:
+        try:
+            resolve_dotted(name)
+        except Exception as exc:
+            missing[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return names, missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ds_names.py TARGET...``: every DeepSpeed name each target uses, one line each
+    (``ok`` or ``MISSING`` with the reason and the first site), then a count; exit 1 when
+    any name does not resolve, 2 for a target that is not there."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("targets", nargs="+", help="a .py file, a directory or a package name")
+    parser.add_argument("--missing-only", action="store_true")
+    args = parser.parse_args(argv)
+    status = 0
+    for target in args.targets:
+        try:
+            names, missing = audit(target)
+        except FileNotFoundError as exc:
+            sys.stderr.write(f"ds_names: error: {exc}\n")
+            return 2
+        for name, sites in sorted(names.items()):
+            if name in missing:
+                print(f"{target}: MISSING {name}  ({missing[name]}; {sites[0]})")
+            elif not args.missing_only:
+                print(f"{target}: ok      {name}")
+        print(f"{target}: {len(names)} names, {len(names) - len(missing)} resolve, "
+              f"{len(missing)} do not")
+        status = status or (1 if missing else 0)
+    return status
