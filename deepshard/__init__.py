@@ -34,10 +34,13 @@ _LAZY = {
     "log_dist": "deepshard.runtime.logs",
     "logger": "deepshard.runtime.logs",
     "get_fp32_state_dict": "deepshard.runtime.checkpoint.consolidate",
+    "UsageError": "deepshard.errors",
 }
 # DeepSpeed's spellings of the same things
 _ALIASES = {"get_fp32_state_dict_from_zero_checkpoint": "get_fp32_state_dict",
-            "DeepSpeedEngine": "DeepShardEngine"}
+            "DeepSpeedEngine": "DeepShardEngine",
+            # deepshard's config errors are UsageErrors: DeepSpeed users catch them so
+            "DeepSpeedConfigError": "UsageError"}
 # submodules offered as attributes, like ``deepspeed.checkpointing`` and ``deepspeed.comm``;
 # DeepSpeed's other paths (``deepspeed.pipe``, ``deepspeed.utils``) are deepshard.compat.paths rows
 _MODULES = {"checkpointing": "deepshard.runtime.activation_checkpointing",

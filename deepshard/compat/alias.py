@@ -178,8 +178,8 @@ def _present_version(deepshard: ModuleType) -> None:
     deepshard.__version_major__ = major  # type: ignore[attr-defined]
     deepshard.__version_minor__ = minor  # type: ignore[attr-defined]
     deepshard.__version_patch__ = patch  # type: ignore[attr-defined]
-    deepshard.__git_hash__ = None  # type: ignore[attr-defined]
-    deepshard.__git_branch__ = None  # type: ignore[attr-defined]
+    deepshard.__git_hash__ = distribution.GIT_HASH  # type: ignore[attr-defined]
+    deepshard.__git_branch__ = distribution.GIT_BRANCH  # type: ignore[attr-defined]
 
 
 def real_deepspeed(shim_dir: str, path: Sequence[str] | None = None) -> str | None:

@@ -24,6 +24,13 @@ DEEPSPEED_VERSION = "0.19.8"
 under the compat path, before the local label)."""
 
 
+GIT_HASH = "unknown"
+"""``deepspeed.__git_hash__`` / ``git_version_info.git_hash``: what a pip-installed
+DeepSpeed 0.19.8 says."""
+GIT_BRANCH = "unknown"
+"""``deepspeed.__git_branch__`` / ``git_version_info.git_branch``."""
+
+
 def version() -> str:
     """The presented distribution's version: ``0.19.8+deepshard.<deepshard's version>``."""
     return f"{DEEPSPEED_VERSION}+deepshard.{contract.DEEPSHARD_VERSION}"
@@ -54,3 +61,7 @@ def version_parts() -> tuple[int, int, int]:
     """``(0, 19, 8)``: ``deepspeed.__version_major__`` and its siblings."""
     major, minor, patch = (int(p) for p in DEEPSPEED_VERSION.split("."))
     return major, minor, patch
+
+
+VERSION = version()
+"""``deepspeed.git_version_info.version``."""

@@ -81,8 +81,6 @@ MODULES: dict[str, Missing] = {
                                     "ds_to_universal)", _CHECKPOINTS),
     "deepspeed.datastates": Missing("DataStates asynchronous checkpointing", _CHECKPOINTS),
     "deepspeed.env_report": Missing("ds_report's module", "run ds_report"),
-    "deepspeed.git_version_info": Missing("DeepSpeed's build information",
-                                          "deepspeed.__version__ is deepshard's version"),
     "deepspeed.launcher.launch": Missing("DeepSpeed's per-node launcher",
                                          "the launcher is ds-run (or `deepspeed` after "
                                          "ds-compat install); a worker reads its environment "

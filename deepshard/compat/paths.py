@@ -94,6 +94,15 @@ NAMES: dict[str, dict[str, str]] = {
     # the engine's optimizer is a torch optimizer (DeepSpeed wraps its ZeRO ones in a base
     # class of its own; tools only test isinstance against it)
     "deepspeed.runtime.base_optimizer": {"DeepSpeedOptimizer": "torch.optim:Optimizer"},
+    "deepspeed.git_version_info": {
+        "version": "deepshard.compat.distribution:VERSION",
+        "git_hash": "deepshard.compat.distribution:GIT_HASH",
+        "git_branch": "deepshard.compat.distribution:GIT_BRANCH",
+    },
+    "deepspeed.runtime.config": {
+        "DeepSpeedConfig": "deepshard.runtime.ds_config:DeepSpeedConfig",
+        "DeepSpeedConfigError": "deepshard.errors:UsageError",
+    },
     "deepspeed.launcher": {},
     "deepspeed.launcher.runner": {
         "DEEPSPEED_ENVIRONMENT_NAME": "deepshard.launcher.env_file:DEEPSPEED_ENVIRONMENT_NAME",

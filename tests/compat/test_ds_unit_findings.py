@@ -69,3 +69,37 @@ def test_dist_init_required_false_without_a_process_group_fails_at_once(tmp_path
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
                          capture_output=True, timeout=60)
     assert out.stdout.split() == ["AssertionError", "True"], out.stderr[-2000:]
+
+
+def test_public_names_deepspeed_s_tests_import(tmp_path):
+    """DeepSpeed 0.19.8: ``git_version_info.version`` '0.19.8', ``git_hash`` and
+    ``__git_hash__`` 'unknown', ``__version_major__`` 0; ``DeepSpeedConfig({...})`` built
+    without a process group (world size 1): train_batch_size 8 -> micro 8, accumulation 1,
+    ``zero_enabled``, ``zero_optimization_stage`` 2, ``bfloat16_config.enabled``, clipping
+    1.0; a bad batch triad raises (deepshard: ``DeepSpeedConfigError``, its UsageError)."""
+    from deepshard.compat import distribution
+    from deepshard.contract import SHIM_DIR
+
+    code = (
+        "import deepspeed\n"
+        "from deepspeed import git_version_info as v\n"
+        "from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError\n"
+        "print(v.version, v.git_hash, deepspeed.__git_hash__, deepspeed.__version_major__)\n"
+        "c = DeepSpeedConfig({'train_batch_size': 8, 'bf16': {'enabled': True},\n"
+        "                     'zero_optimization': {'stage': 2}})\n"
+        "print(c.train_batch_size, c.train_micro_batch_size_per_gpu,\n"
+        "      c.gradient_accumulation_steps, c.zero_enabled, c.zero_optimization_stage,\n"
+        "      c.bfloat16_config.enabled, c.gradient_clipping)\n"
+        "try:\n"
+        "    DeepSpeedConfig({'train_batch_size': 8, 'train_micro_batch_size_per_gpu': 3})\n"
+        "except deepspeed.DeepSpeedConfigError:\n"
+        "    same = DeepSpeedConfigError is deepspeed.DeepSpeedConfigError\n"
+        "    print('DeepSpeedConfigError', same)\n")
+    env = dict(os.environ, PYTHONPATH=SHIM_DIR)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == [distribution.VERSION, "unknown", "unknown", "0"]
+    assert lines[1].split() == ["8", "8", "1", "True", "2", "True", "1.0"]
+    assert lines[2].split() == ["DeepSpeedConfigError", "True"]
