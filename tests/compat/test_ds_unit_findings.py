@@ -31,6 +31,30 @@ def test_tensors_taken_inside_gathered_parameters_outlive_the_block(seen):
     assert seen[0]["gathered_sums"] == seen[1]["gathered_sums"]
 
 
+def test_zero3_parameters_carry_deepspeed_s_attributes(seen):
+    """DeepSpeed 0.19.8: ``ds_status`` NOT_AVAILABLE between uses and AVAILABLE inside
+    ``GatheredParameters``; ``ds_id`` numbers the parameters; ``ds_shape``/``ds_numel`` the
+    full size; ``ds_tensor`` this rank's part (the two ranks' parts add up to the model)."""
+    for rank in seen:
+        assert rank["ds_ids"] == list(range(6))
+        assert (rank["status_between"], rank["status_gathered"], rank["status_after"]) == (
+            "NOT_AVAILABLE", "AVAILABLE", "NOT_AVAILABLE")
+        assert rank["ds_shape"] == (4, 8) and rank["ds_numel"] == 32 and rank["status_enum"]
+    assert seen[0]["ds_tensor_numel"] + seen[1]["ds_tensor_numel"] == 2 * 72 + 36
+
+
+def test_zero_init_casts_through_the_patchable_constructor_wrapper(seen):
+    """DeepSpeed 0.19.8's ``zero.Init`` with a bf16 config makes ``torch.zeros`` and
+    ``torch.arange(3.0)`` bf16 inside; transformers replaces
+    ``partition_parameters.zero_wrapper_for_fp_tensor_constructor`` to leave ``arange``
+    alone, and the replacement is honoured; constructors are torch's again after."""
+    for rank in seen:
+        assert rank["init_zeros"] == rank["init_arange"] == "torch.bfloat16"
+        assert rank["patched_arange"] == "torch.float32"
+        assert rank["patched_zeros"] == "torch.bfloat16"
+        assert rank["after_init"] == "torch.float32"
+
+
 def test_the_engine_delegates_unknown_attributes_to_the_module(seen):
     """DeepSpeed 0.19.8: ``engine.magic(3)`` calls the model's method, ``engine.moe_1`` is
     the submodule; a name neither has is an AttributeError naming the engine."""

@@ -53,6 +53,37 @@ seen["gathered_sums"] = [float(v.sum()) for v in state.values()]  # used to cras
 seen["gathered_data_sums"] = [float(t.sum()) for t in whole]
 seen["released"] = [p.data.numel() for p in params]
 
+# ZeRO-3 parameters carry DeepSpeed's attributes, tracking their real state
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
+
+head = engine.module.head.weight
+seen["ds_ids"] = sorted(p.ds_id for p in params)
+seen["status_between"] = head.ds_status.name
+with deepspeed.zero.GatheredParameters([head]):
+    seen["status_gathered"] = head.ds_status.name
+seen["status_after"] = head.ds_status.name
+seen["ds_shape"] = tuple(head.ds_shape)
+seen["ds_numel"] = head.ds_numel
+seen["ds_tensor_numel"] = sum(p.ds_tensor.numel() for p in params)
+seen["status_enum"] = head.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+# zero.Init casts floating tensors made inside it to the config's dtype, through the
+# module's wrapper as it is on entry (transformers replaces it to keep torch.arange's dtype)
+from deepspeed.runtime.zero import partition_parameters as pp  # noqa: E402
+
+bf16 = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+with deepspeed.zero.Init(config_dict_or_path=bf16):
+    seen["init_zeros"] = str(torch.zeros(2).dtype)
+    seen["init_arange"] = str(torch.arange(3.0).dtype)
+original = pp.zero_wrapper_for_fp_tensor_constructor
+pp.zero_wrapper_for_fp_tensor_constructor = (
+    lambda fn, *a, **k: fn if fn is pp._orig_torch_arange else original(fn, *a, **k))
+with deepspeed.zero.Init(config_dict_or_path=bf16):
+    seen["patched_arange"] = str(torch.arange(3.0).dtype)
+    seen["patched_zeros"] = str(torch.zeros(2).dtype)
+pp.zero_wrapper_for_fp_tensor_constructor = original
+seen["after_init"] = str(torch.zeros(2).dtype)
+
 # 4. the engine delegates unknown attributes to the module
 seen["magic"] = engine.magic(3)
 seen["head_is_module"] = engine.head is engine.module.head

@@ -99,6 +99,52 @@ def test_a_parameter_shared_by_two_units_belongs_to_the_root():
     assert "blocks.0.weight" in plan.params[0]
 
 
+class _MoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 2)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+
+def test_a_leaf_module_is_one_unit_never_split():
+    """``set_z3_leaf_modules``: the experts' ModuleList inside the leaf would make two units;
+    the leaf is gathered whole instead (DeepSpeed's MoE use)."""
+    from deepshard.runtime.zero.marks import get_z3_leaf_modules, set_z3_leaf_modules
+
+    model = torch.nn.Module()
+    model.moe = _MoE()
+    names = [n for n, _ in model.named_parameters()]
+    assert plan_units(model, names).modules == ("", "moe.experts.0", "moe.experts.1")
+    assert set_z3_leaf_modules(model, [_MoE]) == [model.moe]
+    assert get_z3_leaf_modules(model) == [model.moe]
+    plan = plan_units(model, names)
+    assert plan.modules == ("", "moe")
+    assert sorted(plan.params[1]) == sorted(names)
+    with pytest.raises(ValueError, match="no modules of type"):
+        set_z3_leaf_modules(model, [torch.nn.Conv2d])
+
+
+def test_a_registered_external_parameter_belongs_to_the_root():
+    """``register_external_parameter(b, a.weight)``: b's forward uses a's weight, so it must
+    be gathered around both units: the root's."""
+    from deepshard.runtime.zero.marks import (
+        register_external_parameter,
+        unregister_external_parameter,
+    )
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    model = torch.nn.Module()
+    model.blocks = blocks
+    names = [n for n, _ in model.named_parameters()]
+    assert "blocks.0.weight" in plan_units(model, names).params[1]
+    register_external_parameter(blocks[1], blocks[0].weight)
+    assert "blocks.0.weight" in plan_units(model, names).params[0]
+    unregister_external_parameter(blocks[1], blocks[0].weight)
+    assert "blocks.0.weight" in plan_units(model, names).params[1]
+    with pytest.raises(RuntimeError, match="not a registered external parameter"):
+        unregister_external_parameter(blocks[1], blocks[0].weight)
+
+
 def test_swapper_round_trip_and_cleanup(tmp_path):
     swapper = TensorSwapper(tmp_path, rank=3, name="t")
     a = torch.arange(1000, dtype=torch.float32)
