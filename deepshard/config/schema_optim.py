@@ -371,14 +371,29 @@ class OneCycleParams(Section):
     decay_mom_rate: NonNegFloat = doc("Momentum decay rate after the cycle.", default=0.0)
 
 
+class LRRangeTestParams(Section):
+    """``scheduler.params`` of LRRangeTest: the LR grows from ``lr_range_test_min_lr`` by
+    ``step_rate`` every ``step_size`` steps (a search for the largest usable LR)."""
+
+    ds_only_keys: ClassVar[frozenset[str]] = _SCHEDULER_ONLY
+
+    lr_range_test_min_lr: LearningRate = doc("LR at step 0.", default=1e-3)
+    lr_range_test_step_size: PosInt = doc("Steps per unit of growth.", default=2000)
+    lr_range_test_step_rate: NonNegFloat = doc("Growth per unit: lr = min_lr * (1 + rate * "
+                                               "steps / step_size).", default=1.0)
+    lr_range_test_staircase: Bool = doc("Grow in whole units (stairs) instead of smoothly.",
+                                        default=False)
+
+
 SCHEDULER_PARAMS: Mapping[str, type[Section]] = MappingProxyType({
     "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams})
+    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams})
 """Supported LR schedules (DeepSpeed's names, case-sensitive) and their params models."""
 
 # DeepSpeed's own LRRangeTest, and torch.optim.lr_scheduler classes it falls back to by name
 DEEPSPEED_ONLY_SCHEDULERS = (
-    "LRRangeTest", "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR",
+    "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR",
     "LinearLR", "ExponentialLR", "SequentialLR", "PolynomialLR", "CosineAnnealingLR",
     "ChainedScheduler", "ReduceLROnPlateau", "CyclicLR", "CosineAnnealingWarmRestarts",
     "OneCycleLR")
@@ -388,9 +403,10 @@ class SchedulerConfig(Section):
     """``scheduler``: the learning-rate schedule the engine steps after each optimizer
     step."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"] = doc(
-        "Schedule: WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle (case-sensitive, as in "
-        "DeepSpeed).")
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                  "LRRangeTest"] = doc(
+        "Schedule: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest "
+        "(case-sensitive, as in DeepSpeed).")
     params: SerializeAsAny[Section] = doc(
         "Schedule parameters, validated by the type's model (WarmupLRParams, "
         "WarmupDecayLRParams, WarmupCosineLRParams, OneCycleParams).",

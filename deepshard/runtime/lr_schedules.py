@@ -1,10 +1,11 @@
 """DeepSpeed's learning-rate schedules as torch ``LRScheduler`` subclasses.
 
-A DeepSpeed config names one of ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` or
-``OneCycle``; a job moved over from DeepSpeed must see the same learning rate at every
-iteration, so each class reproduces DeepSpeed's formulas, keyword names and defaults, including
-its quirks (noted where they live). Subclassing torch's base class means ``state_dict``,
-``get_last_lr`` and any torch code that expects a scheduler work unchanged.
+A DeepSpeed config names one of ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
+``OneCycle`` or ``LRRangeTest``; a job moved over from DeepSpeed must see the same learning
+rate at every iteration, so each class reproduces DeepSpeed's formulas, keyword names and
+defaults, including its quirks (noted where they live). Subclassing torch's base class
+means ``state_dict``, ``get_last_lr`` and any torch code that expects a scheduler work
+unchanged.
 
 Iterations are counted as DeepSpeed counts them: ``last_batch_iteration`` (torch's
 ``last_epoch``) is -1 after construction and ``n - 1`` after ``n`` calls to ``step()``.
@@ -221,7 +222,9 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
-        self.org_lrs = [group["lr"] for group in optimizer.param_groups]
+        # a copy: torch writes a tensor lr in place (fill_), which would change these too
+        self.org_lrs = [group["lr"].clone() if hasattr(group["lr"], "clone") else group["lr"]
+                        for group in optimizer.param_groups]
         if total_num_steps < self.warmup_num_steps:
             logger.warning(
                 "total_num_steps %s is less than warmup_num_steps %s",
@@ -338,7 +341,7 @@ class OneCycle(_DeepSpeedSchedule):
         )
         super().__init__(optimizer, last_batch_iteration)
         if last_batch_iteration == -1 and cycle_momentum:
-            self._set_momentum(self.min_moms)
+            self._set_momentum([(m, 0.99) for m in self.min_moms])
 
     def _scale_factor(self) -> float:
         """Position in the cycle of iteration ``last_batch_iteration + 1``: 0 at ends, 1 at peak."""
@@ -379,24 +382,26 @@ class OneCycle(_DeepSpeedSchedule):
         factor = 1 + self.decay_lr_rate * (k / self.decay_step_size)
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """Per-group momentum (first beta) at ``last_batch_iteration``; ``None`` when not cycled."""
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Per-group ``(beta1, beta2)`` at ``last_batch_iteration``, as DeepSpeed returns them
+        (beta2 is 0.99, as DeepSpeed writes it); ``None`` when momentum is not cycled."""
         if not self.cycle_momentum:
             return None
         k = self._decay_iteration()
         if k is None:
             scale = self._scale_factor()
-            return [
-                hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms, strict=True)
-            ]
-        if self.skip_mom_decay:
-            return list(self.max_moms)
-        factor = 1 + self.decay_mom_rate * (k / self.decay_step_size)
-        return [hi * factor for hi in self.max_moms]
+            firsts = [hi - (hi - lo) * scale
+                      for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
+        elif self.skip_mom_decay:
+            firsts = list(self.max_moms)
+        else:
+            factor = 1 + self.decay_mom_rate * (k / self.decay_step_size)
+            firsts = [hi * factor for hi in self.max_moms]
+        return [(beta1, 0.99) for beta1 in firsts]
 
-    def _set_momentum(self, moms: list[float]) -> None:
-        for group, mom in zip(self.optimizer.param_groups, moms, strict=True):
-            group["betas"] = (mom, 0.99)
+    def _set_momentum(self, moms: list[tuple[float, float]]) -> None:
+        for group, betas in zip(self.optimizer.param_groups, moms, strict=True):
+            group["betas"] = betas
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance one iteration (or jump to one) and apply its lr and momentum."""
@@ -406,16 +411,70 @@ class OneCycle(_DeepSpeedSchedule):
             self._set_momentum(moms)
 
 
-# DeepSpeed's names of the schedule types (Accelerate reads VALID_LR_SCHEDULES)
+class LRRangeTest(_DeepSpeedSchedule):
+    """DeepSpeed's LR range test: ``lr = min_lr * (1 + step_rate * (i + 1) / step_size)``
+    at iteration ``i`` (``floor`` of the fraction with ``staircase``), from ``min_lr``
+    before the first ``step()``.
+
+    Args:
+        optimizer: the optimizer whose param groups' ``lr`` this sets.
+        lr_range_test_min_lr: the starting lr (one value, or one per param group).
+        lr_range_test_step_size: iterations per unit of growth.
+        lr_range_test_step_rate: growth per unit.
+        lr_range_test_staircase: whole units only.
+        last_batch_iteration: the last iteration already taken, when resuming; -1 to start.
+    """
+
+    def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+        if isinstance(lr_range_test_step_size, bool) or not isinstance(
+                lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
+            raise ValueError("lr_range_test_step_size must be a positive integer, got "
+                             f"{lr_range_test_step_size}")
+        self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_batch_iteration)
+
+    def get_lr(self) -> list[float]:
+        """Per-group lr at ``last_batch_iteration``."""
+        interval = (self.last_epoch + 1) / self.step_size
+        if self.staircase:
+            interval = math.floor(interval)
+        return [lr * (1 + self.step_rate * interval) for lr in self.min_lr]
+
+
+# DeepSpeed's names of the schedule types and their parameters (runtime/lr_schedules.py);
+# Accelerate reads VALID_LR_SCHEDULES
+LR_SCHEDULE = "lr_schedule"
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR = "LRRangeTest", "OneCycle", "WarmupLR"
 WARMUP_DECAY_LR, WARMUP_COSINE_LR = "WarmupDecayLR", "WarmupCosineLR"
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+EDGE_VALUE, MID_VALUE = "edge_value", "mid_value"
+CYCLE_FIRST_STEP_SIZE, CYCLE_FIRST_STAIR_COUNT = "cycle_first_step_size", "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR, CYCLE_MAX_LR, DECAY_LR_RATE = "cycle_min_lr", "cycle_max_lr", "decay_lr_rate"
+CYCLE_MIN_MOM, CYCLE_MAX_MOM, DECAY_MOM_RATE = "cycle_min_mom", "cycle_max_mom", "decay_mom_rate"
+WARMUP_MIN_LR, WARMUP_MAX_LR = "warmup_min_lr", "warmup_max_lr"
+WARMUP_NUM_STEPS, WARMUP_TYPE = "warmup_num_steps", "warmup_type"
+WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "log", "linear"
+WARMUP_MIN_RATIO, COS_MIN_RATIO = "warmup_min_ratio", "cos_min_ratio"
+TOTAL_NUM_STEPS = "total_num_steps"
 
 SCHEDULERS: Mapping[str, type[LRScheduler]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest,
 }
 
 

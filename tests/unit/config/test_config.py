@@ -294,9 +294,9 @@ def test_max_grad_norm_points_to_gradient_clipping():
 def test_scheduler_names_are_case_sensitive_as_in_deepspeed():
     err = error_of({"scheduler": {"type": "warmuplr"}})
     assert "did you mean 'WarmupLR'" in err.message
-    err = error_of({"scheduler": {"type": "LRRangeTest"}})
-    assert err.message == "'LRRangeTest' is not yet supported by deepshard"
-    assert "WarmupCosineLR" in err.hint
+    err = error_of({"scheduler": {"type": "StepLR"}})
+    assert err.message == "'StepLR' is not yet supported by deepshard"
+    assert "WarmupCosineLR" in err.hint and "LRRangeTest" in err.hint
 
 
 def test_optimizer_params_model_follows_the_type():

@@ -459,3 +459,79 @@ def test_no_torch_warnings_when_used_in_order():
             param.grad = torch.ones(2)
             opt.step()
             sched.step()
+
+
+def _sgd(lr=0.1):
+    import torch
+
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def _adam(lr=0.1):
+    import torch
+
+    return torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def test_warmup_cosine_with_a_tensor_lr_is_deepspeed_s():
+    """DeepSpeed 0.19.8 (total 100, warmup 10, log): 0.0 before the first step, 0.030103
+    after ``step(1)``, with a tensor lr as with a float (it keeps a copy of the lr)."""
+    import torch
+
+    from deepshard.runtime.lr_schedules import WarmupCosineLR
+
+    for lr in (0.1, torch.tensor(0.1)):
+        opt = _sgd(lr)
+        sched = WarmupCosineLR(opt, total_num_steps=100, warmup_num_steps=10)
+        assert float(opt.param_groups[0]["lr"]) == 0.0
+        sched.step(1)
+        assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.030103, abs=1e-6)
+
+
+def test_one_cycle_momentum_is_deepspeed_s_beta_tuples():
+    """DeepSpeed 0.19.8 (cycle 0.01-0.1 over 4 steps, momentum 0.8-0.9, Adam): get_mom()
+    is [(0.9, 0.99)] before the first step, then [(0.875, 0.99)], [(0.85, 0.99)]; the lr
+    0.0325, 0.055, 0.0775; the optimizer's betas follow."""
+    from deepshard.runtime.lr_schedules import OneCycle
+
+    opt = _adam()
+    sched = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=4)
+    assert sched.get_mom() == [(0.9, 0.99)]
+    moms, lrs = [], []
+    for _ in range(3):
+        sched.step()
+        moms.append(sched.get_mom()[0])
+        lrs.append(opt.param_groups[0]["lr"])
+    assert moms == [pytest.approx((0.875, 0.99)), pytest.approx((0.85, 0.99)),
+                    pytest.approx((0.825, 0.99))]
+    assert opt.param_groups[0]["betas"] == pytest.approx((0.825, 0.99))
+    assert lrs == pytest.approx([0.0325, 0.055, 0.0775])
+
+
+def test_lr_range_test_is_deepspeed_s():
+    """DeepSpeed 0.19.8 (min 0.001, step size 2, rate 1): 0.001 before the first step,
+    then 0.0015, 0.002, 0.0025, 0.003; the config accepts the type; the module has
+    DeepSpeed's key constants."""
+    from deepshard.config import parse_config
+    from deepshard.runtime import lr_schedules
+    from deepshard.runtime.lr_schedules import LRRangeTest, build_scheduler
+
+    opt = _sgd()
+    sched = LRRangeTest(opt, lr_range_test_min_lr=0.001, lr_range_test_step_size=2)
+    got = [opt.param_groups[0]["lr"]]
+    for _ in range(4):
+        sched.step()
+        got.append(opt.param_groups[0]["lr"])
+    assert got == pytest.approx([0.001, 0.0015, 0.002, 0.0025, 0.003])
+    stairs = LRRangeTest(_sgd(), lr_range_test_min_lr=0.001, lr_range_test_step_size=2,
+                         lr_range_test_staircase=True)
+    assert [stairs.get_lr()[0] for _ in [stairs.step() for _ in range(2)]] == pytest.approx(
+        [0.002, 0.002])
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "scheduler": {
+        "type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.001,
+                                          "lr_range_test_step_size": 2}}}).config
+    built = build_scheduler(cfg.scheduler.type, cfg.scheduler.params.model_dump(), _sgd())
+    assert isinstance(built, LRRangeTest)
+    assert lr_schedules.WARMUP_MIN_LR == "warmup_min_lr"
+    assert lr_schedules.CYCLE_FIRST_STEP_SIZE == "cycle_first_step_size"
+    assert lr_schedules.LR_RANGE_TEST_STAIRCASE == "lr_range_test_staircase"
