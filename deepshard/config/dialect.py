@@ -219,10 +219,36 @@ def parse_json(text: str, origin: str) -> Any:
                          hint="keep one of the two; DeepSpeed rejects duplicate keys "
                               "too") from None
     except json.JSONDecodeError as exc:
+        relaxed = _parse_hjson(text, origin)
+        if relaxed is not None:
+            return relaxed
         hint = next((h for prefix, h in _JSON_HINTS.items() if exc.msg.startswith(prefix)),
                     "fix the JSON syntax near this line")
         raise UsageError(f"invalid JSON: {exc.msg} (column {exc.colno})",
                          where=f"{origin}:{exc.lineno}", hint=hint) from None
+
+
+def _parse_hjson(text: str, origin: str) -> Any:
+    """``text`` as HJSON (unquoted keys and strings, no commas), as DeepSpeed reads every
+    config file; None when it is not HJSON either (the JSON error is then the one shown).
+    A repeated key is an error here too. Beware HJSON's own rule: an unquoted value runs to
+    the end of its line, a ``# comment`` after it included."""
+    import hjson
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                raise UsageError(f"duplicate key {key!r}", where=origin,
+                                 hint="keep one of the two; DeepSpeed rejects duplicate "
+                                      "keys too")
+            seen[key] = value
+        return seen
+
+    try:
+        return hjson.loads(text, object_pairs_hook=pairs)
+    except hjson.HjsonDecodeError:
+        return None
 
 
 def _line_of(text: str, offset: int) -> int:

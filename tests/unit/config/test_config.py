@@ -575,3 +575,22 @@ def test_config_package_does_not_import_torch():
 
 def test_config_type_is_deepshard_config():
     assert isinstance(load({}).config, DeepShardConfig)
+
+
+def test_an_hjson_file_reads_as_deepspeed_reads_it(tmp_path):
+    """DeepSpeed 0.19.8 reads every config file with hjson: unquoted keys and strings, no
+    commas, comments (measured: mbs 2, steps_per_print 5, SGD lr 0.05, stage 1)."""
+    path = tmp_path / "ds.json"
+    path.write_text("{\n  # DeepSpeed reads this\n  train_micro_batch_size_per_gpu: 2\n"
+                    "  steps_per_print: 5\n  optimizer: {\n    type: SGD\n"
+                    "    params: { lr: 0.05 }\n  }\n  zero_optimization: { stage: 1 }\n}\n")
+    c = load_config(str(path), world_size=1).config
+    assert (c.train_micro_batch_size_per_gpu, c.steps_per_print, c.optimizer.type,
+            c.optimizer.params.lr, c.zero_optimization.stage) == (2, 5, "SGD", 0.05, 1)
+    path.write_text("{\n  train_micro_batch_size_per_gpu: 2\n"
+                    "  train_micro_batch_size_per_gpu: 4\n}\n")
+    with pytest.raises(UsageError, match="duplicate key 'train_micro_batch_size_per_gpu'"):
+        load_config(str(path), world_size=1)
+    path.write_text('{"train_micro_batch_size_per_gpu": 2,, }')
+    with pytest.raises(UsageError, match="invalid JSON"):
+        load_config(str(path), world_size=1)
