@@ -65,7 +65,8 @@ def test_trailing_commas_are_accepted_as_hjson_does(tmp_path):
 
 
 def test_syntax_error_names_file_and_line_after_comments(tmp_path):
-    path = write(tmp_path, "ds.json", '{\n  // comment\n  "a": 1\n  "b": 2\n}')
+    """(Without the closing brace: a missing comma alone is HJSON, which DeepSpeed reads.)"""
+    path = write(tmp_path, "ds.json", '{\n  // comment\n  "a": 1\n  "b": 2\n')
     err = read_error(path)
     assert err.where == f"{path}:4"
     assert "column 3" in err.message
