@@ -13,17 +13,26 @@ worker reports its own figures (``ru_maxrss`` for peaks). Measurements:
    ``--micro-batch`` per rank, sequence 128, seeded random tokens, an all-"auto" HF config:
    DeepSpeed through transformers' ``Trainer`` + ``TrainingArguments(deepspeed=cfg)``,
    deepshard through ``deepshard.integrations.transformers.Trainer``/``TrainingArguments``
-   (the same arguments). The model is built after the arguments (at ZeRO-3 it loads
-   partitioned through them). Step time: rank 0's median of the optimizer steps after
-   ``--warmup``, from a ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``).
-   The table also gives rank 0's collective traffic per timed step (all-gather output
-   bytes; reduce-scatter plus all-reduce bytes), counted around torch.distributed's calls:
+   (the same arguments), and ``--driver compat``: DeepSpeed's worker code exactly
+   (transformers' own ``Trainer``/``TrainingArguments``) in deepshard's interpreter with
+   ``deepshard.contract.SHIM_DIR`` first on ``PYTHONPATH``, as ``ds-run --deepspeed_compat``
+   sets it, so that ``import deepspeed`` (transformers' and accelerate's too) is deepshard.
+   The model is built after the arguments (at ZeRO-3 it loads partitioned through them).
+   Step time: rank 0's median of the optimizer steps after ``--warmup``, from a
+   ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``). Time to the first step: per
+   rank, from the worker process's creation (its kernel start time) to the end of its first
+   optimizer step (``on_step_end``): interpreter, imports, process group, loading, engine
+   and the step itself. A side-by-side table puts the Trainer rows (DeepSpeed, compat,
+   deepshard's Trainer) under each other; the per-driver tables also give rank 0's
+   collective traffic per timed step (all-gather output bytes; reduce-scatter plus
+   all-reduce bytes), counted around torch.distributed's calls:
    at ZeRO-3 both keep a model this small gathered from forward into backward under the
    default ``stage3_max_reuse_distance``/``max_live_parameters`` (1e9), one gather of the
    model per step (with the distance at 0, every unit is gathered again in backward).
-   ``--driver initialize`` (or ``both``) adds rows driven by ``initialize`` on the same
-   HF model (a filled config, a barrier before and after each step); ``auto`` (default)
-   adds them only when deepshard's Trainer cannot be imported.
+   ``--driver initialize`` (``both``: with the Trainer; ``all``: with the Trainer and
+   compat) adds rows driven by ``initialize`` on the same HF model (a filled config, a
+   barrier before and after each step); ``auto`` (default: trainer and compat) adds them
+   only when deepshard's Trainer cannot be imported.
 2. loading partitioned at ZeRO-3 (``load``): a ``HfDeepSpeedConfig(cfg)`` /
    ``HfDeepShardConfig(cfg)`` alive, then ``AutoModelForCausalLM.from_pretrained(dir)``;
    baseline = ``ru_maxrss`` after the imports, the process group and the config object;
@@ -36,12 +45,13 @@ worker reports its own figures (``ru_maxrss`` for peaks). Measurements:
    keeps whole), against the base model's bytes.
 
 Targets (printed with each table): step time no slower than DeepSpeed (ratio <= 1),
-training peak RSS below DeepSpeed's (< 1), loading peak <= 0.6x DeepSpeed's, LoRA per-rank
-parameter bytes ~ 1/N of the base (here <= 1.1/N).
+training peak RSS below DeepSpeed's (< 1; through the compat path <= 0.8), loading peak
+<= 0.6x DeepSpeed's, LoRA per-rank parameter bytes ~ 1/N of the base (here <= 1.1/N).
 
     make bench-hf                                   # = python benchmarks/hf.py
     python benchmarks/hf.py [--quick] [--parts train,load,lora] [--stages 2,3]
-                            [--driver auto|trainer|initialize|both] [--steps 3] [--warmup 1]
+                            [--driver auto|trainer|compat|initialize|both|all]
+                            [--steps 3] [--warmup 1]
                             [--rounds 1] [--micro-batch 1] [--output FILE] [--json FILE]
 
 The DeepSpeed rows run with ``--deepspeed-python`` (default /tmp/dsvenv/bin/python: DeepSpeed
@@ -51,7 +61,9 @@ missing or fails says ``failed: <the error line>``; the other rows still run. On
 transformers' Trainer starts torch.distributed through Accelerate but not
 ``deepspeed.comm``, so the DeepSpeed worker calls ``deepspeed.init_distributed()`` after
 ``TrainingArguments`` (without it ``zero.Init`` counts one rank and fails its batch-size
-assertion).
+assertion at ZeRO-3; at ZeRO-2 ``deepspeed.initialize`` starts it itself). The compat worker
+needs no such call at either stage: deepshard's ``comm`` uses the process group Accelerate
+started.
 """
 
 from __future__ import annotations
@@ -88,6 +100,9 @@ from train import (  # noqa: E402
 LORA_TOLERANCE = 1.1
 """LoRA per-rank parameter bytes count as ~1/N of the base up to this factor."""
 LOAD_TARGET = 0.6
+TRAINER_TARGETS = {"compat": (1.0, 0.8, False), "trainer": (1.0, 1.0, True)}
+"""Per deepshard driver against DeepSpeed's Trainer row: (s/step ratio <=, peak RSS ratio of
+the worst rank <= or, strict, <)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,8 @@ class Row:
     """``deepshard`` or ``deepspeed``."""
     stage: int = 3
     driver: str = ""
-    """``trainer`` or ``initialize`` (``train`` only)."""
+    """``trainer``, ``compat`` (deepshard only: DeepSpeed's ``trainer`` row is its code path)
+    or ``initialize`` (``train`` only)."""
 
     @property
     def name(self) -> str:
@@ -110,6 +126,19 @@ class Row:
     @property
     def foreign(self) -> bool:
         return self.lib == "deepspeed"
+
+    @property
+    def label(self) -> str:
+        if self.driver == "compat":
+            return "deepshard (compat)"
+        what = {"trainer": "Trainer"}.get(self.driver, self.driver or self.part)
+        return f"{'DeepSpeed' if self.foreign else 'deepshard'} {what}"
+
+    @property
+    def baseline(self) -> Row:
+        """DeepSpeed's row this one is compared with (compat: transformers' Trainer)."""
+        driver = "trainer" if self.driver == "compat" else self.driver
+        return Row(self.part, "deepspeed", self.stage, driver)
 
 
 @dataclass
@@ -124,6 +153,7 @@ class Outcome:
 def run_row(row: Row, args: argparse.Namespace, model_dir: str) -> Outcome:
     """Start the row's two ranks, wait, and collect their result lines; a failure is an
     outcome (``why_not``), never an exception."""
+    from deepshard.contract import SHIM_DIR, prepend_to_path
     from deepshard.launcher.cli import free_port
 
     python = args.deepspeed_python if row.foreign else sys.executable
@@ -133,6 +163,8 @@ def run_row(row: Row, args: argparse.Namespace, model_dir: str) -> Outcome:
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if row.foreign:
         env["DS_ACCELERATOR"] = "cpu"
+    if row.driver == "compat":  # what ds-run --deepspeed_compat gives its workers
+        env["PYTHONPATH"] = prepend_to_path(SHIM_DIR, os.environ.get("PYTHONPATH"))
     argv = [python, str(WORKER), row.part, row.lib, "--model", model_dir,
             "--stage", str(row.stage), "--driver", row.driver or "trainer",
             "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -166,7 +198,8 @@ def run_row(row: Row, args: argparse.Namespace, model_dir: str) -> Outcome:
 
 
 def merge(outcomes: list[Outcome]) -> Outcome:
-    """One row's rounds: all timed steps, the highest peaks per rank."""
+    """One row's rounds: all timed steps, the highest peaks and the median time to the first
+    step per rank."""
     ran = [o for o in outcomes if o.ranks]
     if not ran:
         return outcomes[0]
@@ -176,6 +209,8 @@ def merge(outcomes: list[Outcome]) -> Outcome:
         merged = dict(results[-1])
         if "step_s" in merged:
             merged["step_s"] = [t for r in results for t in r["step_s"]]
+        if merged.get("first_step_s"):
+            merged["first_step_s"] = statistics.median(r["first_step_s"] for r in results)
         for key in ("peak_rss_kib", "peak_kib", "load_peak_kib"):
             if key in merged:
                 merged[key] = max(r[key] for r in results)
@@ -200,6 +235,14 @@ def deepshard_trainer_missing() -> str:
          "\nexcept ImportError:\n from deepshard.integrations.hf_trainer import Trainer"],
         capture_output=True, text=True, check=False)
     return "" if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def shim_missing() -> str:
+    """Why ``import deepspeed`` cannot resolve to deepshard through the shim, or ""."""
+    from deepshard.contract import SHIM_DIR
+
+    found = os.path.isfile(os.path.join(SHIM_DIR, "deepspeed", "__init__.py"))
+    return "" if found else f"no deepspeed/__init__.py in the compat shim {SHIM_DIR}"
 
 
 def deepspeed_has_peft(python: str) -> str:
@@ -234,6 +277,86 @@ def comm_cell(o: Outcome) -> str:
         return "-"
     reduced = comm["reduce_scatter_tensor"] + comm["all_reduce"]
     return f"{comm['all_gather_into_tensor'] / 2**20:.0f}, {reduced / 2**20:.0f}"
+
+
+def train_summary(o: Outcome | None) -> dict | None:
+    """A train row's figures, unformatted: rank 0's step times, every rank's peak RSS and
+    time to the first step, rank 0's final loss; None for a row that did not run."""
+    if o is None or not o.ranks or "step_s" not in o.ranks[0]:
+        return None
+    times = o.ranks[0]["step_s"]
+    losses = o.ranks[0]["losses"]
+    return {"step_s": statistics.median(times), "step_min_s": min(times),
+            "step_max_s": max(times), "peak_rss_mib": [r["peak_rss_kib"] / 1024 for r in o.ranks],
+            "first_step_s": [r.get("first_step_s") for r in o.ranks],
+            "final_loss": losses[-1] if losses else None}
+
+
+def versus(ours: dict | None, theirs: dict | None) -> dict | None:
+    """Ratios of two :func:`train_summary` figures: median s/step, peak RSS of the worst rank,
+    time to the first step of the slower rank."""
+    if ours is None or theirs is None:
+        return None
+    firsts = [max(s["first_step_s"]) if all(s["first_step_s"]) else None
+              for s in (ours, theirs)]
+    return {"step": ours["step_s"] / theirs["step_s"],
+            "peak_rss": max(a / b for a, b in zip(ours["peak_rss_mib"], theirs["peak_rss_mib"],
+                                                  strict=True)),
+            "first_step": firsts[0] / firsts[1] if firsts[0] and firsts[1] else None}
+
+
+def trainer_table(outcomes: dict[str, Outcome], stages: list[int],
+                  drivers: list[str]) -> list[str]:
+    """One line per stage and HF Trainer row: DeepSpeed's (transformers' Trainer), the same
+    code on deepshard through the compat shim, deepshard's own Trainer; ratios against
+    DeepSpeed's line."""
+    shown = [d for d in ("compat", "trainer") if d in drivers]
+    if not shown:
+        return []
+    goals = "; ".join(f"{Row('train', 'deepshard', 0, d).label}: s/step <= {step:.1f}, peak "
+                      f"RSS {'<' if strict else '<='} {rss:.1f}"
+                      for d, (step, rss, strict) in TRAINER_TARGETS.items() if d in shown)
+    lines = ["**HF Trainer side by side** (s/step: rank 0's median; peak RSS: ru_maxrss per "
+             "rank; first step: from the worker process's creation to the end of its first "
+             "optimizer step, imports and model loading included; x = / DeepSpeed's line: "
+             "worst rank for RSS, slower rank for the first step)", "",
+             f"Targets vs DeepSpeed: {goals}; time to the first step: no target.", "",
+             "| stage | row | s/step | min-max | x DS | target | peak RSS rank0 / rank1 MiB "
+             "| x DS | target | first step s rank0 / rank1 | x DS | final loss |",
+             "|---|---|---:|---|---:|---|---:|---:|---|---:|---:|---:|"]
+    notes: list[str] = []
+    for stage in stages:
+        base = Row("train", "deepspeed", stage, "trainer")
+        theirs = train_summary(outcomes.get(base.name))
+        for row in [base] + [Row("train", "deepshard", stage, d) for d in shown]:
+            o = outcomes.get(row.name)
+            if o is None:
+                continue
+            label = (f"DeepSpeed {o.ranks[0].get('version', '')}".strip() if row.foreign
+                     else row.label)
+            fig = train_summary(o)
+            if fig is None:
+                lines.append(f"| {stage} | {label} | {why(o)} |" + " - |" * 9)
+                continue
+            if row.driver not in drivers or row.driver == "compat":
+                notes.append(f"- {row.name}: " + "; ".join(o.ranks[0].get("notes", []))
+                             + f"; optimizer {o.ranks[0]['optimizer']}")
+            ratio = None if row.foreign else versus(fig, theirs)
+            step_goal, rss_goal, strict = TRAINER_TARGETS.get(row.driver, (1.0, 1.0, True))
+            x = ({k: f"{v:.2f}" if v is not None else "-" for k, v in ratio.items()} if ratio
+                 else dict.fromkeys(("step", "peak_rss", "first_step"),
+                                    "-" if not row.foreign else "1.00"))
+            rss = " / ".join(f"{m:.0f}" for m in fig["peak_rss_mib"])
+            first = " / ".join(f"{t:.1f}" if t else "-" for t in fig["first_step_s"])
+            loss = f"{fig['final_loss']:.4f}" if fig["final_loss"] is not None else "-"
+            lines.append(
+                f"| {stage} | {label} | {fig['step_s']:.3f} | {fig['step_min_s']:.2f}-"
+                f"{fig['step_max_s']:.2f} | {x['step']} | "
+                f"{verdict(ratio['step'], step_goal) if ratio else '-'} | {rss} | "
+                f"{x['peak_rss']} | "
+                f"{verdict(ratio['peak_rss'], rss_goal, strict) if ratio else '-'} | {first} | "
+                f"{x['first_step']} | {loss} |")
+    return lines + (["", *notes] if notes else [])
 
 
 def train_tables(outcomes: dict[str, Outcome], stages: list[int],
@@ -399,9 +522,11 @@ def main() -> None:
                         help="comma-separated subset of train, load, lora")
     parser.add_argument("--stages", default="2,3", help="ZeRO stages for train")
     parser.add_argument("--driver", default="auto",
-                        choices=["auto", "trainer", "initialize", "both"],
-                        help="train through HF Trainer, initialize, or both (auto: the Trainer,"
-                             " and initialize too when deepshard's Trainer is missing)")
+                        choices=["auto", "trainer", "compat", "initialize", "both", "all"],
+                        help="train through deepshard's HF Trainer, transformers' Trainer on "
+                             "the compat shim, initialize; both: trainer and initialize; all "
+                             "three (auto: trainer and compat, and initialize too when "
+                             "deepshard's Trainer is missing)")
     parser.add_argument("--libs", default="deepshard,deepspeed")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per row")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -426,14 +551,17 @@ def main() -> None:
 
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
     trainer_missing = deepshard_trainer_missing()
-    drivers = {"trainer": ["trainer"], "initialize": ["initialize"],
-               "both": ["trainer", "initialize"],
-               "auto": ["trainer"] + (["initialize"] if trainer_missing else [])}[args.driver]
+    drivers = {"trainer": ["trainer"], "compat": ["compat"], "initialize": ["initialize"],
+               "both": ["trainer", "initialize"], "all": ["trainer", "compat", "initialize"],
+               "auto": ["trainer", "compat"] + (["initialize"] if trainer_missing else [])
+               }[args.driver]
     rows: list[Row] = []
     for part in parts:
-        if part == "train":
-            rows += [Row("train", lib, stage, driver) for stage in stages
-                     for driver in drivers for lib in libs]
+        if part == "train":  # compat's DeepSpeed row is the trainer's: run it once
+            wanted = [Row("train", lib, stage, driver).baseline if lib == "deepspeed"
+                      else Row("train", lib, stage, driver)
+                      for stage in stages for driver in drivers for lib in libs]
+            rows += list(dict.fromkeys(wanted))
         elif part in ("load", "lora"):
             rows += [Row(part, lib) for lib in libs]
         else:
@@ -447,6 +575,8 @@ def main() -> None:
             return f"skipped: {missing}" if missing else ""
         if row.lib == "deepshard" and row.driver == "trainer" and trainer_missing:
             return f"failed: deepshard's Trainer is not importable: {trainer_missing}"
+        if row.driver == "compat" and shim_missing():
+            return f"failed: {shim_missing()}"
         return ""
 
     with tempfile.TemporaryDirectory(prefix="hf-bench-model-") as model_dir:
@@ -485,7 +615,9 @@ def main() -> None:
         + f"; load average {load_before[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end "
           "(other processes on the machine inflate step times).", ""]
     if "train" in parts:
-        report += [*train_tables(outcomes, stages, drivers), ""]
+        report += [*trainer_table(outcomes, stages, drivers), ""]
+        paired = [d for d in drivers if d != "compat"]  # compat's figures are all above
+        report += [*train_tables(outcomes, stages, paired), ""] if paired else []
     if "load" in parts:
         report += [*load_table(outcomes.get(Row("load", "deepshard").name),
                                 outcomes.get(Row("load", "deepspeed").name)), ""]
@@ -498,19 +630,30 @@ def main() -> None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
     if args.json:
-        args.json.write_text(json.dumps({name: {"ranks": o.ranks, "why_not": o.why_not}
-                                         for name, o in outcomes.items()}, indent=1))
+        args.json.write_text(json.dumps({row["row"]: row for row in record_rows(outcomes)},
+                                        indent=1) + "\n")
     record.settings["model"] = model
     record.write(record_rows(outcomes), report, args.results)
 
 
 def record_rows(outcomes: dict[str, Outcome]) -> list[dict]:
-    """One row per measurement for ``benchmarks/results/hf.json``: what it was (part,
-    library, stage, driver), its status, and each rank's result line as the worker
-    reported it (step times, RSS, losses, bytes; the tables are computed from these)."""
-    return [{"row": name, "part": o.row.part, "lib": o.row.lib, "stage": o.row.stage,
-             "driver": o.row.driver, "status": o.why_not or "ok", "ranks": o.ranks}
-            for name, o in outcomes.items()]
+    """One row per measurement for ``benchmarks/results/hf.json`` (and ``--json``): what it
+    was (part, library, stage, driver, label), its status, each rank's result line as the
+    worker reported it (step times, RSS, losses, bytes; the tables are computed from these)
+    and, for ``train``, the figures of the side-by-side table and their ratios against
+    DeepSpeed's row (``vs_deepspeed``)."""
+    rows = []
+    for name, o in outcomes.items():
+        row = {"row": name, "part": o.row.part, "lib": o.row.lib, "stage": o.row.stage,
+               "driver": o.row.driver, "label": o.row.label, "status": o.why_not or "ok",
+               "ranks": o.ranks}
+        if o.row.part == "train":
+            row["summary"] = train_summary(o)
+            if not o.row.foreign:
+                row["vs_deepspeed"] = versus(row["summary"],
+                                             train_summary(outcomes.get(o.row.baseline.name)))
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 It imports only torch, transformers (and peft) and the library it measures, never the other
 one, and reports one ``BENCH_RESULT {json}`` line on stdout; ``hf.py`` starts two of these
-per row with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (no launcher).
+per row with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (no launcher). ``--driver compat``
+is DeepSpeed's code path (transformers' own Trainer) under deepshard's interpreter with the
+compat shim first on ``PYTHONPATH``, so that ``import deepspeed`` is deepshard; the worker
+checks that it is.
 
     python hf_worker.py make-model DIR [--quick]
-    python hf_worker.py train {deepspeed,deepshard} --driver {trainer,initialize} --stage N ...
+    python hf_worker.py train {deepspeed,deepshard} --driver {trainer,compat,initialize} ...
     python hf_worker.py load {deepspeed,deepshard} --model DIR
     python hf_worker.py lora {deepspeed,deepshard} --model DIR ...
 """
@@ -81,6 +84,19 @@ def plain_config(a: argparse.Namespace, stage: int) -> dict:
     return filled_config(stage, a.micro_batch, int(os.environ["WORLD_SIZE"]), hidden)
 
 
+def since_process_start() -> float:
+    """Seconds since the kernel created this process (``/proc/self/stat``'s start time, in
+    clock ticks since boot, against ``CLOCK_BOOTTIME``; 10 ms resolution): the interpreter's
+    start and every import count."""
+    with open("/proc/self/stat") as f:  # the name field may hold spaces: split after it
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
+WORKER_START_S = since_process_start()
+"""When this module began running: the interpreter's own start-up (and site's imports)."""
+
+
 def peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
@@ -94,9 +110,14 @@ def emit(result: dict) -> None:
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def library(lib: str):
-    if lib == "deepspeed":
+def library(lib: str, driver: str = ""):
+    """The measured library's module: ``deepspeed`` (for ``compat``, deepshard behind the
+    shim: anything else there is an error) or ``deepshard``."""
+    if lib == "deepspeed" or driver == "compat":
         import deepspeed
+        if driver == "compat" and not deepspeed.__name__.startswith("deepshard"):
+            raise RuntimeError(f"import deepspeed gave {deepspeed.__file__}, not deepshard: "
+                               "is the compat shim first on PYTHONPATH?")
         return deepspeed
     import deepshard
     return deepshard
@@ -191,11 +212,14 @@ def train(a: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    lib = library(a.lib)
+    lib = library(a.lib, a.driver)
     notes: list[str] = []
-    result = (_train_trainer(a, notes) if a.driver == "trainer"
-              else _train_initialize(a, lib, notes))
+    if a.driver == "compat":
+        notes.append(f"import deepspeed -> {lib.__name__} {lib.__version__}")
+    result = (_train_initialize(a, lib, notes) if a.driver == "initialize"
+              else _train_trainer(a, notes))
     result.update({"peak_rss_kib": peak_rss_kib(), "notes": notes,
+                   "worker_start_s": WORKER_START_S,
                    "version": getattr(lib, "__version__", "?")})
     emit(result)
 
@@ -205,7 +229,7 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     comm = CommCounter()
-    if a.lib == "deepspeed":
+    if a.lib == "deepspeed" or a.driver == "compat":
         from transformers import Trainer, TrainingArguments
     else:
         try:
@@ -229,7 +253,7 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
         def __init__(self):
             self.times: list[float] = []
             self.losses: list[float] = []
-            self.start = 0.0
+            self.start = self.first_step_s = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
             if len(self.times) == a.warmup:
@@ -238,6 +262,8 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.start)
+            if len(self.times) == 1:  # after the optimizer step (the engine's, in backward)
+                self.first_step_s = since_process_start()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -252,7 +278,9 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
                              use_cpu=True, deepspeed=hf_config(a.stage))
     if a.lib == "deepspeed":
         # on CPU, accelerate (use_cpu) starts torch.distributed (gloo) but not
-        # deepspeed.comm, and zero.Init would then count one rank (batch-size assertion)
+        # deepspeed.comm, and zero.Init would then count one rank (batch-size assertion at
+        # ZeRO-3; at ZeRO-2 deepspeed.initialize starts it). deepshard's comm (compat) uses
+        # the group accelerate started: no call there.
         import deepspeed
 
         deepspeed.init_distributed()
@@ -267,9 +295,10 @@ def _train_trainer(a: argparse.Namespace, notes: list[str]) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=Data(), callbacks=[clock])
     trainer.train()
     engine = getattr(trainer, "model_wrapped", None)
-    notes.append(f"engine {type(engine).__module__}.{type(engine).__name__}")
+    stage = getattr(engine, "zero_optimization_stage", lambda: "?")()
+    notes.append(f"engine {type(engine).__module__}.{type(engine).__name__} (ZeRO {stage})")
     return {"step_s": clock.times[a.warmup:], "losses": clock.losses, **load,
-            "comm_per_step": comm.per_step(a.steps),
+            "first_step_s": clock.first_step_s, "comm_per_step": comm.per_step(a.steps),
             "optimizer": _optimizer_name(getattr(trainer, "optimizer", None))}
 
 
@@ -297,6 +326,7 @@ def _train_initialize(a: argparse.Namespace, lib, notes: list[str]) -> dict:
         config=config)
     data = batches((a.warmup + a.steps) * world, a.micro_batch, a.vocab)
     times, losses = [], []
+    first_step_s = 0.0
     for step in range(a.warmup + a.steps):
         x = data[step * world + rank]
         if step == a.warmup:
@@ -309,8 +339,10 @@ def _train_initialize(a: argparse.Namespace, lib, notes: list[str]) -> dict:
         dist.barrier()
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
+        if step == 0:
+            first_step_s = since_process_start()
     result = {"step_s": times[a.warmup:], "losses": losses, **load,
-              "comm_per_step": comm.per_step(a.steps),
+              "first_step_s": first_step_s, "comm_per_step": comm.per_step(a.steps),
               "optimizer": _optimizer_name(optimizer)}
     if hasattr(engine, "state_bytes"):
         result["state_bytes"] = engine.state_bytes()
@@ -407,7 +439,8 @@ def main() -> None:
     parser.add_argument("target", help="the model directory (make-model) or the library")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model")
-    parser.add_argument("--driver", choices=["trainer", "initialize"], default="trainer")
+    parser.add_argument("--driver", choices=["trainer", "compat", "initialize"],
+                        default="trainer")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
