@@ -117,9 +117,14 @@ def test_zero3_loads_sharded_resizes_trains_and_generates(tmp_path):
     ``generate(synced_gpus=True)`` keeps the ranks in step while they decode prompts of
     different lengths; losses and tokens equal the same script without DeepSpeed."""
     compat("hf_z3_model_ops.py", tmp_path / "z3")
+    # one process, no process group: none of the launch variables an earlier test of this
+    # run may have left in the environment
+    alone = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT") and not k.startswith("ACCELERATE_")}
     plain = subprocess.run([sys.executable, str(SCRIPTS / "hf_z3_model_ops.py"), "--plain",
                             "--out_dir", str(tmp_path / "plain")], capture_output=True,
-                           text=True, timeout=300, cwd=ROOT)
+                           text=True, timeout=300, cwd=ROOT, env=alone)
     assert plain.returncode == 0, plain.stderr[-3000:]
     want = json.loads((tmp_path / "plain" / "rank0.json").read_text())
     for rank in (0, 1):
@@ -234,7 +239,10 @@ def environment(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("compat_env")
     target = env.Target(root / "site", root / "bin")
     written = env.install(target)
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT") and not k.startswith("ACCELERATE_")}
+    environ = dict(clean, PYTHONPATH=os.pathsep.join(
         [str(target.purelib), str(ROOT), os.environ.get("PYTHONPATH", "")]),
         PATH=os.pathsep.join([str(target.scripts), os.environ.get("PATH", "")]))
     yield {"target": target, "written": written, "env": environ}
