@@ -205,7 +205,7 @@ class DeepShardConfig(Section):
     ds_only_keys: ClassVar[frozenset[str]] = frozenset({
         "memory_breakdown", "dump_state", "disable_allgather",
         "disable_python_gc", "dataloader_drop_last", "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "zero_force_ds_cpu_optimizer", "managed_gradient_accumulation",
         "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
         "use_data_before_expert_parallelism", "allgather_size",
         "data_parallel_size",
@@ -247,6 +247,10 @@ class DeepShardConfig(Section):
                                    "all-reduce rather than after.", default=False)
     gradient_predivide_factor: PosFloat = doc("Divide gradients by this factor before the "
                                               "all-reduce and the rest after.", default=1.0)
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"],
+                                     one_of("mean", "sum", case_insensitive=True)] = doc(
+        "How data-parallel gradients combine: 'mean' (averaged) or 'sum' (DeepSpeed 0.19's "
+        "key; 'sum' at ZeRO stages 0-2, as DeepSpeed).", default="mean")
     communication_data_type: CommDtype | None = doc(
         "dtype of gradient collectives: 'fp32', 'fp16' or 'bf16'; None: the training "
         "dtype.", default=None)
@@ -299,6 +303,15 @@ class DeepShardConfig(Section):
             raise UsageError("both bf16 and its old spelling bfloat16 are given",
                              where=log.where("bfloat16"), hint="keep only bf16")
         return data
+
+    @model_validator(mode="after")
+    def _sum_below_stage_3(self, info: ValidationInfo) -> DeepShardConfig:
+        if self.gradient_allreduce_op == "sum" and self.zero_optimization.stage == 3:
+            log = key_log(info) or KeyLog()
+            raise UsageError("gradient_allreduce_op 'sum' is not supported with ZeRO stage 3 "
+                             "(nor by DeepSpeed)", where=log.where("gradient_allreduce_op"),
+                             hint="use 'mean', or ZeRO stage 0-2")
+        return self
 
     @model_validator(mode="after")
     def _one_half_precision(self, info: ValidationInfo) -> DeepShardConfig:

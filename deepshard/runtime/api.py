@@ -177,6 +177,13 @@ def _check_combination(cfg, layout, origin: str) -> None:
                          "parameter, and a shard holds pieces of many", where=f"{origin}: "
                          "optimizer.type", hint=f"use Adam/AdamW with ZeRO, or stage 0 for "
                                                 f"{name}")
+    if cfg.gradient_allreduce_op == "sum" and (cfg.prescale_gradients or
+                                               cfg.gradient_predivide_factor != 1.0 or (
+            cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_OPTIMIZERS)):
+        raise UsageError("gradient_allreduce_op 'sum' with prescale_gradients, "
+                         "gradient_predivide_factor or a 1-bit optimizer is not supported",
+                         where=f"{origin}: gradient_allreduce_op",
+                         hint="use 'mean' with those, or leave them out")
     if cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_OPTIMIZERS:
         _check_onebit(cfg.optimizer.type, stage, layout, origin, cfg.sequence_parallel_size)
 

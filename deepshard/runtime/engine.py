@@ -212,6 +212,12 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute "
                                      f"{name!r}") from None
 
+    @property
+    def _averaged_over(self) -> int:
+        """The ranks a gradient is averaged over: the data-parallel world, or 1 when the
+        config's ``gradient_allreduce_op`` is ``sum`` (the reduced sum is then kept)."""
+        return 1 if self._config.gradient_allreduce_op == "sum" else self.dp_world_size
+
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` the module in place
@@ -266,7 +272,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
                                   "outside torch.no_grad()")
         boundary = self._sync_now()
         gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
-        factor = backward_factor(gas, self.dp_world_size, self.loss_scaler)
+        factor = backward_factor(gas, self._averaged_over, self.loss_scaler)
         self._monitor.record_loss(loss)
         self._monitor.begin("bwd")
         self.run_backward(self._monitor.timed("bwd_inner", lambda: (
@@ -320,7 +326,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
                              hint="call engine.scale(loss).backward() (the activations' "
                                   "gradients need the loss scale), or engine.backward(loss)")
         self._prescaled = False  # the loss carries the scale: the factor leaves it out
-        return backward_factor(self._config.gradient_accumulation_steps, self.dp_world_size,
+        return backward_factor(self._config.gradient_accumulation_steps, self._averaged_over,
                                None)
 
     def step(self) -> None:

@@ -55,6 +55,18 @@ def test_zero_init_casts_through_the_patchable_constructor_wrapper(seen):
         assert rank["after_init"] == "torch.float32"
 
 
+def test_gradient_allreduce_op_sum_sums(seen):
+    """DeepSpeed 0.19.8, ranks' gradients 1 and 2: the step moves a weight by 1.5 with
+    'mean' (the default) and 3.0 with 'sum', at stages 0, 1 and 2; 'sum' at stage 3 is
+    refused. deepshard accepted 'sum' and averaged (2x off on 2 ranks)."""
+    for rank in seen:
+        for stage in (0, 1, 2):
+            assert rank[f"allreduce_mean_{stage}"] == pytest.approx(1.5), stage
+            assert rank[f"allreduce_sum_{stage}"] == pytest.approx(3.0), stage
+        assert rank["allreduce_sum_3"].startswith("refused")
+        assert "gradient_allreduce_op" in rank["allreduce_sum_3"]
+
+
 def test_the_engine_delegates_unknown_attributes_to_the_module(seen):
     """DeepSpeed 0.19.8: ``engine.magic(3)`` calls the model's method, ``engine.moe_1`` is
     the submodule; a name neither has is an AttributeError naming the engine."""

@@ -140,7 +140,7 @@ class PipelineEngine(DeepShardEngine):
             raise UsageError("the PipelineModule has no loss_fn", where="PipelineModule",
                              hint="build it with loss_fn=<function(outputs, labels)>")
         m = self._config.gradient_accumulation_steps
-        b = _Batch(time.perf_counter(), backward_factor(m, self.dp_world_size,
+        b = _Batch(time.perf_counter(), backward_factor(m, self._averaged_over,
                                                         self.loss_scaler))
         # None only on the first (last) stage, whose schedule never receives (sends) there
         prev = cast(int, self.grid.prev_stage_rank)

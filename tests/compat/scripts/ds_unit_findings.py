@@ -121,4 +121,27 @@ try:
 except AssertionError:
     seen["step_in_no_sync"] = "AssertionError"
 
+# 3. gradient_allreduce_op: "sum" sums the ranks' gradients (stages 0-2), "mean" averages
+for stage in (0, 1, 2):
+    for op in ("mean", "sum"):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 1, bias=False)
+        torch.nn.init.zeros_(lin.weight)
+        eng, *_ = deepspeed.initialize(model=lin, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+            "gradient_allreduce_op": op, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+        eng.backward(eng(torch.full((1, 4), float(rank + 1))).sum())
+        eng.step()
+        seen[f"allreduce_{op}_{stage}"] = float(-lin.weight.detach().flatten()[0]) if stage < 3 \
+            else None
+try:
+    deepspeed.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_allreduce_op": "sum",
+        "zero_optimization": {"stage": 3}})
+except ValueError:
+    seen["allreduce_sum_3"] = "refused"
+except Exception as exc:  # a UsageError: the one line names the key
+    seen["allreduce_sum_3"] = f"refused: {exc}"
+
 torch.save(seen, f"{args.out_dir}/rank{rank}.pt")
