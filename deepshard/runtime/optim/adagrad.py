@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from deepshard.kernels.lamb import LOW_PRECISION, by_device_and_dtype
-from deepshard.runtime.optim.base import StepOptimizer
+from deepshard.kernels.lamb import by_device_and_dtype
+from deepshard.runtime.optim.base import StepOptimizer, in_fp32, write_back
 
 __all__ = ["DeepSpeedCPUAdagrad", "adagrad_update"]
 
@@ -121,24 +121,12 @@ def adagrad_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     fp16/bf16 tensors are computed in fp32 and written back once, as DeepSpeed's kernel
     loads them into fp32 registers and stores the result.
     """
-    ps, gs, vs = _in_fp32(params), _in_fp32(grads), _in_fp32(exp_avg_sqs)
+    ps, gs, vs = in_fp32(params), in_fp32(grads), in_fp32(exp_avg_sqs)
     if weight_decay > 0:
         gs = torch._foreach_add(gs, ps, alpha=weight_decay)
     torch._foreach_addcmul_(vs, gs, gs)
     denominators = torch._foreach_sqrt(vs)
     torch._foreach_add_(denominators, eps)
     torch._foreach_addcdiv_(ps, gs, denominators, value=-lr)
-    _write_back(params, ps)
-    _write_back(exp_avg_sqs, vs)
-
-
-def _in_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors``, the fp16/bf16 ones as fp32 copies."""
-    return [t.float() if t.dtype in LOW_PRECISION else t for t in tensors]
-
-
-def _write_back(tensors: Sequence[torch.Tensor], computed: Sequence[torch.Tensor]) -> None:
-    """Copy the results computed in fp32 copies back into the tensors they came from."""
-    for t, c in zip(tensors, computed, strict=True):
-        if c is not t:
-            t.copy_(c)
+    write_back(params, ps)
+    write_back(exp_avg_sqs, vs)

@@ -8,9 +8,11 @@ gradients on, then update the parameters with gradients off, then return the clo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+
+from deepshard.kernels.lamb import LOW_PRECISION
 
 __all__ = ["StepOptimizer"]
 
@@ -39,3 +41,17 @@ class StepOptimizer(torch.optim.Optimizer):
     def _take_step(self) -> None:
         """The update itself, run under ``torch.no_grad()`` once the closure has run."""
         raise NotImplementedError(f"{type(self).__name__} does not define _take_step()")
+
+
+def in_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``, the fp16/bf16 ones as fp32 copies (an optimizer's math in fp32, rounded
+    once when written back with :func:`write_back`)."""
+    return [t.float() if t.dtype in LOW_PRECISION else t for t in tensors]
+
+
+def write_back(tensors: Sequence[torch.Tensor], computed: Sequence[torch.Tensor]) -> None:
+    """Copy the results computed in :func:`in_fp32` copies back into the tensors they came
+    from."""
+    for t, c in zip(tensors, computed, strict=True):
+        if c is not t:
+            t.copy_(c)

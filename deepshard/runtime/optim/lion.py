@@ -25,8 +25,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from deepshard.kernels.lamb import LOW_PRECISION, by_device_and_dtype
-from deepshard.runtime.optim.base import StepOptimizer
+from deepshard.kernels.lamb import by_device_and_dtype
+from deepshard.runtime.optim.base import StepOptimizer, in_fp32, write_back
 
 __all__ = ["DeepSpeedCPULion", "FusedLion", "LionBase", "SignRule", "lion_update"]
 
@@ -158,7 +158,7 @@ def lion_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     tensors are computed in fp32 and written back once. ``weight_decay`` must be >= 0.
     """
     k = _fp32_coefficients(lr, beta1, beta2, weight_decay)
-    ps, gs, ms = _in_fp32(params), _in_fp32(grads), _in_fp32(exp_avgs)
+    ps, gs, ms = in_fp32(params), in_fp32(grads), in_fp32(exp_avgs)
     steps = torch._foreach_mul(ms, k["beta1"])
     torch._foreach_add_(steps, gs, alpha=k["one_minus_beta1"])
     for c in steps:  # c becomes the step -lr or +lr, in place
@@ -169,8 +169,8 @@ def lion_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     torch._foreach_add_(ps, steps)
     torch._foreach_mul_(ms, k["beta2"])
     torch._foreach_add_(ms, gs, alpha=k["one_minus_beta2"])
-    _write_back(params, ps)
-    _write_back(exp_avgs, ms)
+    write_back(params, ps)
+    write_back(exp_avgs, ms)
 
 
 def _fp32_coefficients(lr: float, beta1: float, beta2: float,
@@ -181,15 +181,3 @@ def _fp32_coefficients(lr: float, beta1: float, beta2: float,
     return {"lr": float(lr32), "beta1": float(b1), "beta2": float(b2),
             "one_minus_beta1": float(1 - b1), "one_minus_beta2": float(1 - b2),
             "after_decay": float(1 - lr32 * wd)}
-
-
-def _in_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors``, the fp16/bf16 ones as fp32 copies."""
-    return [t.float() if t.dtype in LOW_PRECISION else t for t in tensors]
-
-
-def _write_back(tensors: Sequence[torch.Tensor], computed: Sequence[torch.Tensor]) -> None:
-    """Copy the results computed in fp32 copies back into the tensors they came from."""
-    for t, c in zip(tensors, computed, strict=True):
-        if c is not t:
-            t.copy_(c)
