@@ -62,6 +62,9 @@ class LoadedConfig:
     """Dotted paths of keys neither deepshard nor DeepSpeed knows (log one warning)."""
     skipped: tuple[str, ...] = ()
     """Sections left out because nothing uses them (a ``scheduler`` without an optimizer)."""
+    given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The config as read, before "auto" values and skipped sections (DeepSpeed's
+    ``engine.config``)."""
 
 
 def load_config(source: object, *, world_size: int, model: Any = None,
@@ -97,6 +100,7 @@ def parse_config(source: object, *, model: Any = None,
     DeepSpeed builds no scheduler then (transformers' evaluation-only ``deepspeed_init``
     passes a training config whose ``total_num_steps`` it filled with 0)."""
     data, origin = read_config_source(source)
+    given = copy.deepcopy(data)  # data is filled in below
     skipped: tuple[str, ...] = ()
     if without_optimizer and "optimizer" not in data and "scheduler" in data:
         del data["scheduler"]
@@ -110,7 +114,7 @@ def parse_config(source: object, *, model: Any = None,
                          hint="write concrete values there, or pass them as "
                               "load_config(auto_values={'<key.path>': value, ...})")
     config, unimplemented, unknown = validate_config(data, origin=origin)
-    return LoadedConfig(config, unimplemented, origin, unknown, skipped)
+    return LoadedConfig(config, unimplemented, origin, unknown, skipped, given)
 
 
 def with_batch_triad(loaded: LoadedConfig, world_size: int) -> LoadedConfig:

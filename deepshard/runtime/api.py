@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from deepshard.comm import teardown
 from deepshard.comm.distributed import DEFAULT_PORT, init_distributed
-from deepshard.config import parse_config, read_config_source, with_batch_triad
+from deepshard.config import parse_config, with_batch_triad
 from deepshard.config.schema_optim import ONEBIT_OPTIMIZERS
 from deepshard.contract import RESTART_COUNT
 from deepshard.errors import UsageAssertionError, UsageError, install_exit_hooks
@@ -94,7 +94,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         loss_scaler=build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None, rank=rank,
         dp_rank=dp_rank, device=device, profiler_factory=_profiler(cfg, module, rank),
         norm_excluded=excluded, mp_group=_model_group(mpu), mpu=mpu, zero=zero,
-        extensions=extensions, given=read_config_source(source)[0])
+        extensions=extensions, given=loaded.given)
     engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
     loader = None if training_data is None else engine.training_loader(training_data,
                                                                        collate_fn)

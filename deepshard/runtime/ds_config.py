@@ -17,7 +17,6 @@ from typing import Any
 import torch.distributed as dist
 
 from deepshard.config import load_config
-from deepshard.config.dialect import read_config_source
 
 
 class DeepSpeedConfig:
@@ -37,8 +36,8 @@ class DeepSpeedConfig:
         else:
             self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
-        self._param_dict, _ = read_config_source(config)
-        self.config = load_config(config, world_size=self.world_size).config
+        loaded = load_config(config, world_size=self.world_size)
+        self._param_dict, self.config = loaded.given, loaded.config
         c = self.config
         self.train_batch_size = c.train_batch_size
         self.train_micro_batch_size_per_gpu = c.train_micro_batch_size_per_gpu

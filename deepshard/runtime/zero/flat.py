@@ -76,6 +76,7 @@ class FlatGroup:
                 self.swapper.write(self.key, self.shard).result()
                 self.shard = None
             self.release()
+            self._show_shards()  # the shard is written in place from now on: views stay true
         else:
             self.full = full
             self.shard = full[self.lo:self.hi]
@@ -132,7 +133,6 @@ class FlatGroup:
             self._buffer = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
         self._buffer.untyped_storage().resize_(0)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
-        self._show_shards()
 
     def _attach(self) -> None:
         full = cast(torch.Tensor, self.full)  # gathered
