@@ -154,6 +154,23 @@ def test_state_bytes_match_theory(tmp_path, stage, offload):
             assert abs(held[key] - value) <= 0.05 * value, (key, held[key], value)
 
 
+def test_stage3_backward_memory(tmp_path):
+    """What a stage 3 step holds at its peak: a gathered group keeps its shard inside the
+    gathered buffer (not a second copy beside it); the head, registered after the blocks,
+    reduces first (not with the embeddings at the end of backward); at most two reductions
+    are staged at once (overlap_comm). Training still equals stage 0."""
+    ranks = _probe(tmp_path, 2, 3, "--watch", steps=2)
+    base = _probe(tmp_path, 2, 0, steps=2)
+    for r, got in ranks.items():
+        watch = got["watch"]
+        gathered, inside = watch["lodged"]
+        assert gathered >= 3 and inside == gathered, watch["lodged"]
+        assert watch["launched"][0] == ["head.weight"], watch["launched"]
+        assert any("tok_emb.weight" in names for names in watch["launched"][-3:])
+        assert watch["max_staged"] <= 2
+        assert got["losses"] == pytest.approx(base[r]["losses"], rel=1e-5)
+
+
 def test_odd_sized_model_built_with_zero_init(tmp_path):
     """Odd sizes pad every group on 4 ranks; building under zero.Init never holds the model
     whole and trains exactly like building it normally (and like stage 0)."""

@@ -49,13 +49,14 @@ def test_frozen_base_is_partitioned_and_gathered_only_while_used(runs):
             assert facts["frozen_whole"] == 0
             # 1/2 of the base per rank (plus the padding of each flat group)
             assert facts["frozen_bytes_held"] <= facts["frozen_bytes_full"] / 2 + 64
-        # root + 2 layers; backward holds the root and one layer at a time
-        assert got["frozen_groups"] == 3 and got["max_frozen_live"] == 2
+        # the root's embedding and head (registered before and after the layers: two
+        # groups) + 2 layers; backward holds the root and one layer at a time
+        assert got["frozen_groups"] == 4 and got["max_frozen_live"] == 3
         # kept from forward to backward within stage3_max_reuse_distance
         keep = found[(rank, 3, "keep")]
-        assert keep["max_frozen_live"] == 3
+        assert keep["max_frozen_live"] == 4
         # a forward with grad and no backward: empty_partition_cache releases what it kept
-        assert keep["gathered_without_backward"] == 3 and keep["gathered_after_emptying"] == 0
+        assert keep["gathered_without_backward"] == 4 and keep["gathered_after_emptying"] == 0
         assert got["gathered_without_backward"] == 0
         whole = found[(rank, 0, "plain")]["state_bytes"]["params"]
         assert got["state_bytes"]["params"] <= whole / 2 + 64

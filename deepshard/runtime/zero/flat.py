@@ -55,6 +55,8 @@ class FlatGroup:
         self.on_modified: Callable[[], None] | None = None
         self._work = None
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        # the ds_tensor views of the shard: (view, its start in the full buffer, numel)
+        self._views: list[tuple[torch.Tensor, int, int]] = []
         full = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for p, off, n, shape in zip(self.params, flat.offsets, flat.numels, self.shapes,
@@ -116,6 +118,36 @@ class FlatGroup:
             self._work.wait()
             self._work = None
             self._attach()
+            self._lodge_shard()
+
+    def _lodge_shard(self) -> None:
+        """While gathered, the shard lives in its slice of the full buffer (which holds the
+        same values) and its own storage is freed: a gathered group costs its full size,
+        not full plus shard. The shard tensor (the optimizer's parameter) and its
+        ``ds_tensor`` views keep their identity; :meth:`_unlodge_shard` moves them out."""
+        if self.shard_elsewhere or self.spec.world == 1:
+            return
+        storage = cast(torch.Tensor, self.full).untyped_storage()  # gathered
+        with torch.no_grad():
+            self.shard.set_(storage, self.lo, (self.spec.shard,))
+            self._repoint_views(storage, 0)
+
+    def _unlodge_shard(self) -> None:
+        """Before the full buffer goes: the shard back into a storage of its own."""
+        full = self.full
+        if self.shard_elsewhere or full is None or \
+                self.shard.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+            return
+        own = full[self.lo:self.hi].clone()
+        with torch.no_grad():
+            self.shard.set_(own.untyped_storage(), 0, (self.spec.shard,))
+            self._repoint_views(own.untyped_storage(), -self.lo)
+
+    def _repoint_views(self, storage: torch.UntypedStorage, shift: int) -> None:
+        """``ds_tensor`` views onto ``storage`` (the shard starts at ``self.lo + shift``
+        in it, counted from the full buffer's start)."""
+        for view, lo, n in self._views:
+            view.set_(storage, lo + shift, (n,))
 
     def release(self, keep_taken: bool = False) -> None:
         """Drop the full buffer of a partitioned group (its shard stays). ``keep_taken``:
@@ -126,6 +158,7 @@ class FlatGroup:
         if not self.partitioned:
             return
         self.wait()
+        self._unlodge_shard()
         self.full = None
         for p in self.params:
             p.data = self._empty
@@ -154,6 +187,8 @@ class FlatGroup:
             lo, hi = max(off, self.lo), min(off + n, self.hi)
             p.ds_tensor = shard[lo - self.lo:hi - self.lo] if shard is not None and hi > lo \
                 else self._empty
+            if p.ds_tensor is not self._empty:
+                self._views.append((p.ds_tensor, lo, hi - lo))
 
     def all_gather_replicated(self):
         """After the step: every rank's updated shard into every rank's full buffer

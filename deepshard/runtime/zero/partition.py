@@ -10,6 +10,7 @@ shards and an all-gather of the shards rebuilds the group.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,18 +122,20 @@ def plan_groups(numels: Sequence[int], dtypes: Sequence[object],
 
     Without ``units`` (stages 1-2) parameters go in backward order (reverse registration),
     at most ``cap`` elements per group, so that the first group fills first in backward.
-    With ``units`` (stage 3, lists of parameter indices per unit, in forward order) each
-    unit's parameters of at least ``persistence_threshold`` elements form partitioned
-    groups of that unit, last unit first (backward reaches it first); the smaller ones form
-    replicated groups as at stages 1-2, after them.
+    With ``units`` (stage 3, lists of parameter indices per unit, in forward order; the
+    first is the root) each unit's parameters of at least ``persistence_threshold``
+    elements form partitioned groups of that unit, last unit first (backward reaches it
+    first); the smaller ones form replicated groups as at stages 1-2, after them. The
+    root's parameters registered between other units' form groups of their own at that
+    place (a head registered after the layers reduces first, the embedding last), so that
+    the root's gradients do not all wait for the end of backward.
 
     The order of the result is the order gradients are reduced in, the same on every rank.
     """
     group_of = {i: k for k, members in enumerate(opt_groups) for i in members}
     plans: list[GroupPlan] = []
     small: list[int] = []
-    for u in reversed(range(len(units))):
-        members = units[u]
+    for u, members in reversed(_segments(units)):
         big = [i for i in members if i in group_of and numels[i] >= persistence_threshold]
         small.extend(i for i in members if i in group_of and numels[i] < persistence_threshold)
         for key in _keys(big, dtypes, group_of):
@@ -145,6 +148,24 @@ def plan_groups(numels: Sequence[int], dtypes: Sequence[object],
         for part in split_by_size([numels[i] for i in keyed], cap):
             plans.append(GroupPlan(tuple(keyed[p] for p in part), key[1], False, None))
     return tuple(plans)
+
+
+def _segments(units: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
+    """``(unit, members)`` in registration order: every unit but the root whole, at its
+    first parameter; the root cut into runs of parameters with no other unit's between."""
+    if not units:
+        return []
+    segments = [(min(members), u, sorted(members))
+                for u, members in enumerate(units) if u and members]
+    others = sorted(i for members in units[1:] for i in members)
+    runs: list[list[int]] = []
+    for i in sorted(units[0]):
+        if runs and bisect.bisect(others, runs[-1][-1]) == bisect.bisect(others, i):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    segments.extend((run[0], 0, run) for run in runs)
+    return [(u, members) for _, u, members in sorted(segments)]
 
 
 def _keys(indices: Sequence[int], dtypes: Sequence[object],

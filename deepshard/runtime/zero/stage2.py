@@ -200,9 +200,13 @@ class Stage2Grads:
                                   "do not reuse a parameter across reentrant checkpoints")
         self._seen[i] = True
         gi, off = self.group_of[i]
-        staging = self._staging_of(gi)
         grad = param.grad
-        staging[off:off + grad.numel()].copy_(grad.reshape(-1))
+        g = self.groups[gi]
+        if self._staging[gi] is None and len(g.params) == 1 and grad.is_contiguous() \
+                and grad.numel() == g.spec.padded and grad.dtype == g.dtype:
+            self._staging[gi] = grad.view(-1)  # a group of one: reduced in place, no copy
+        else:
+            self._staging_of(gi)[off:off + grad.numel()].copy_(grad.reshape(-1))
         param.grad = None
         self._pending[gi] -= 1
         while self._next < len(self.groups) and self._pending[self._next] == 0:
@@ -237,6 +241,10 @@ class Stage2Grads:
         if self.world > 1:
             work = reduce_into_shard(wire, g.lo, g.hi, self.pg, self.all_reduce)
         self._works.append((work, wire, staging, gi))
+        # a group bigger than the pool's buffers (a whole stage 3 unit) stages in a buffer
+        # of its own: fold as we go, or every such buffer would live to the end of backward
+        while len(self._works) > self.pool.depth:
+            self._fold_oldest()
         if self.on_complete is not None:
             self.on_complete(gi)
 

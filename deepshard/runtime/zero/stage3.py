@@ -17,7 +17,8 @@ Lifecycle of a unit's partitioned parameters:
   ``stage3_max_reuse_distance`` elements stays gathered instead (DeepSpeed's default,
   1e9, keeps a model of up to ~500M parameters gathered from its forward to its backward,
   within ``stage3_max_live_parameters``);
-- when backward has produced all of a unit's gradients (stage 2's callback): release.
+- when backward has produced all the gradients of one of a unit's groups (stage 2's
+  callback): release that group.
 
 Frozen parameters (LoRA's base) are partitioned too, in groups of their own that have no
 gradients, no optimizer state and no reduction. No gradient says when backward is done
@@ -38,8 +39,13 @@ unit itself. A parameter registered as external to a module of another unit
 Under ``engine.compile()`` the hooks run eagerly (``torch.compiler.disable``): a compiled
 graph breaks around each gather and release, and runs the module's own code between them.
 
-Limits: the root unit (embeddings, head, anything outside the containers) stays gathered
-for the whole forward and the whole backward; every rank must run the same modules in the
+Memory at the peak (the start of backward, everything kept gathered): each gathered group
+holds its shard inside the full buffer (:meth:`FlatGroup.wait`), the root's parameters
+reduce in groups placed where they are registered (a head after the layers reduces and is
+let go first) and at most two reductions are staged at once.
+
+Limits: the root unit (embeddings, head, anything outside the containers) is gathered for
+the whole forward and until its groups' gradients arrive; every rank must run the same modules in the
 same order (as in DeepSpeed: gathers are collectives).
 """
 
@@ -192,6 +198,12 @@ class ParamCoordinator:
                  prefetch_elements: int, max_live_elements: int, max_reuse_distance: int = 0):
         self.units = list(units)
         self.group_unit = list(group_unit)
+        # each group's place in its unit's ``groups`` (they are listed in group order)
+        seen: dict[int | None, int] = {}
+        self._position = []
+        for u in self.group_unit:
+            self._position.append(seen.get(u, 0))
+            seen[u] = self._position[-1] + 1
         self.prefetch_elements, self.max_live = prefetch_elements, max_live_elements
         self.max_reuse = max_reuse_distance
         self._after: list[int] = []  # per trace position: elements of the units after it
@@ -339,10 +351,11 @@ class ParamCoordinator:
         if u is None:
             return
         unit = self.units[u]
+        # a group whose gradients have all accumulated is not read again by this backward
+        # (the root's head is let go at the start of backward, its embedding at the end)
+        unit.groups[self._position[group_index]].release()
         unit.pending_grads -= 1
         if unit.pending_grads <= 0:
-            for g in unit.groups:
-                g.release()
             unit.release_frozen_if_done()
 
     def end_backward(self) -> None:

@@ -15,7 +15,8 @@ Modes (argv[1]):
   training / load one before; ``--exclude-frozen``: save without the frozen parameters;
   ``--loose``: load with ``load_module_strict=False``; ``--save16=DIR``:
   ``save_16bit_model(DIR, exclude_frozen_parameters=True)`` after training;
-  ``--seed=N``: build the model from seed N (default 0);
+  ``--seed=N``: build the model from seed N (default 0); ``--watch``: report the order
+  gradient groups are reduced in, the most staged at once and where gathered shards live;
 - ``gathered <config.json> <dir>``: rank 1 writes a marker into a weight inside
   ``GatheredParameters(modifier_rank=1)``; report what every rank sees after the block, in
   the shard, and after a training step; then ``save_16bit_model(<dir>)``.
@@ -111,12 +112,16 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
     corpus = stdlib_corpus(1 << 20)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rank, world = dist.get_rank(), engine.dp_world_size
+    watch = _watch(engine) if "--watch" in flags else None
     losses = []
     for step in range(steps):
         for m in range(gas):
             x, y = sample_batch(corpus, rank_indices(step, m, rank, world, micro, gas), 0,
                                 cfg.seq_len)
             loss = engine(x, y)
+            if watch is not None:
+                watch["launched"].clear()
+                watch["lodged"] = _lodged(engine)
             engine.backward(loss)
             engine.step()
         losses.append(float(loss.detach()))
@@ -140,8 +145,33 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
                           for g in zero.frozen_groups] if zero else [],
         "param_bytes_now": sum(p.numel() * p.element_size()
                                for p in engine.module.parameters()),
-        "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen)}),
-        flush=True)
+        "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen),
+        "watch": watch}), flush=True)
+
+
+def _watch(engine) -> dict:
+    """Record, per backward, the order gradient groups are launched in (their parameter
+    names) and the most reductions staged at once."""
+    grads = engine.strategy.grads
+    seen: dict = {"launched": [], "max_staged": 0, "lodged": None}
+    launch = grads._launch
+
+    def watched(gi: int) -> None:
+        launch(gi)
+        seen["launched"].append(list(grads.groups[gi].names))
+        seen["max_staged"] = max(seen["max_staged"], len(grads._works))
+
+    grads._launch = watched
+    return seen
+
+
+def _lodged(engine) -> list[int]:
+    """Gathered partitioned groups, and how many of them hold their shard inside the
+    gathered buffer (sharing its storage) rather than beside it."""
+    gathered = [g for g in engine.strategy.groups if g.partitioned and g.full is not None]
+    inside = [g for g in gathered if g.shard.untyped_storage().data_ptr()
+              == g.full.untyped_storage().data_ptr()]
+    return [len(gathered), len(inside)]
 
 
 def gathered(config_path: str, directory: str) -> None:

@@ -169,3 +169,16 @@ def test_swapper_needs_a_writable_directory(tmp_path):
     blocker.write_text("x")
     with pytest.raises(UsageError, match="NVMe offload directory"):
         TensorSwapper(blocker / "sub", rank=0, name="t")
+
+
+def test_stage3_root_parameters_group_where_they_are_registered():
+    """The root's parameters registered before the units (embeddings) reduce last, those
+    registered after them (a head) first, each in groups of their own."""
+    numels = [100, 100, 100, 100, 100]
+    # 0: embedding (root), 1-2: two units, 3: norm (root, small), 4: head (root)
+    numels[3] = 5
+    plans = plan_groups(numels, ["f"] * 5, [[0, 1, 2, 3, 4]], cap=1000,
+                        units=[[0, 3, 4], [1], [2]], persistence_threshold=50)
+    partitioned = [(p.unit, p.params) for p in plans if p.partitioned]
+    assert partitioned == [(0, (4,)), (2, (2,)), (1, (1,)), (0, (0,))]
+    assert [p.params for p in plans if not p.partitioned] == [(3,)]
