@@ -25,6 +25,7 @@ TARGET = "deepshard"
 MODULES: dict[str, str] = {
     "deepspeed.zero": "deepshard.runtime.zero",
     "deepspeed.runtime.zero.partition_parameters": "deepshard.runtime.zero.init",
+    "deepspeed.runtime.zero.offload_config": "deepshard.runtime.zero.states",
     "deepspeed.checkpointing": "deepshard.runtime.activation_checkpointing",
     "deepspeed.runtime.activation_checkpointing.checkpointing":
         "deepshard.runtime.activation_checkpointing",

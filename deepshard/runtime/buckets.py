@@ -122,6 +122,15 @@ class GradBuckets:
                 weak_hook(self._on_grad, i, bucket_of[i])))
         self._reset_counts()
 
+    def rebind_views(self) -> None:
+        """Point the per-parameter gradient views (each parameter's ``.grad``) at the
+        buffers' current storage, after the buffers moved (``engine.offload_states``)."""
+        for b, layout in enumerate(self.layouts):
+            buf = self.buffers[b]
+            for i, off in zip(layout.params, layout.offsets, strict=True):
+                view = cast(torch.Tensor, self.views[i])
+                view.set_(buf.untyped_storage(), buf.storage_offset() + off, view.shape)
+
     def _reset_counts(self) -> None:
         self._pending = [len(layout.params) for layout in self.layouts]
         self._ready = [False] * len(self.params)

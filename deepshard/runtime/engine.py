@@ -51,6 +51,7 @@ from deepshard.runtime.precision import clip_
 from deepshard.runtime.strategy import DataParallelStrategy
 from deepshard.runtime.strategy.fragments import ParamFragments
 from deepshard.runtime.zero.spec import ZeroSpec
+from deepshard.runtime.zero.states import StateMover
 
 if TYPE_CHECKING:
     from deepshard.config.schema import DeepShardConfig
@@ -106,6 +107,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self._config, self._zero, self._extensions = parts.config, parts.zero, parts.extensions
         self._given = GivenConfig(parts.given, parts.config)
         self._compiled = False
+        self._states: StateMover | None = None  # offload_states(), made on first use
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.lr_scheduler
         self.loss_scaler = parts.loss_scaler
@@ -239,17 +241,20 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
-        """DeepSpeed's ``engine.offload_states`` (moving the ZeRO-3 optimizer's buffers to
-        the CPU between phases, as RLHF trainers do): not available in deepshard."""
-        del include, device, pin_memory, non_blocking
-        raise UsageError("engine.offload_states()/reload_states() are not available in "
-                         "deepshard", where="engine.offload_states",
-                         hint="keep the states where they are, or offload the optimizer for "
-                              "the whole run with zero_optimization.offload_optimizer")
+        """DeepSpeed's: move this ZeRO engine's states (``include``: kinds of
+        :class:`~deepshard.runtime.zero.states.OffloadStateTypeEnum`, all by default) to
+        host memory, freeing the accelerator between training phases, until
+        :meth:`reload_states`; see :mod:`deepshard.runtime.zero.states`."""
+        if self._states is None:
+            self._states = StateMover.for_engine(self.strategy, self.optimizer, self._zero)
+        self.empty_partition_cache()
+        self._states.offload(include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """DeepSpeed's ``engine.reload_states``: see :meth:`offload_states`."""
-        self.offload_states(non_blocking=non_blocking)
+        """DeepSpeed's: every state :meth:`offload_states` moved, back where it was."""
+        if self._states is None:
+            self._states = StateMover.for_engine(self.strategy, self.optimizer, self._zero)
+        self._states.reload(non_blocking)
 
     @property
     def is_compiled(self) -> bool:
@@ -340,6 +345,9 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         if not self.is_gradient_accumulation_boundary():
             self.counters.micro_steps += 1
             return
+        if self._states is not None and self._states.away:
+            raise UsageError("engine.step() while the states are offloaded",
+                             where="engine.step", hint="call engine.reload_states() first")
         if self.optimizer is None:
             raise UsageError("engine.step() without an optimizer", where="optimizer",
                              hint='add an "optimizer" section to the config, or pass '

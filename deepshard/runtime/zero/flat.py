@@ -82,7 +82,7 @@ class FlatGroup:
         else:
             self.full = full
             self.shard = full[self.lo:self.hi]
-            self._attach()
+            self.attach()
 
     @property
     def gathered(self) -> bool:
@@ -104,7 +104,7 @@ class FlatGroup:
             src = self.read_shard().to(self.device, non_blocking=True)
             if self.spec.world == 1:
                 self.full.copy_(src)
-                self._attach()
+                self.attach()
             else:
                 self._work = comm.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)
@@ -117,7 +117,7 @@ class FlatGroup:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            self._attach()
+            self.attach()
             self._lodge_shard()
 
     def _lodge_shard(self) -> None:
@@ -130,7 +130,7 @@ class FlatGroup:
         storage = cast(torch.Tensor, self.full).untyped_storage()  # gathered
         with torch.no_grad():
             self.shard.set_(storage, self.lo, (self.spec.shard,))
-            self._repoint_views(storage, 0)
+            self.repoint_views(storage, 0)
 
     def _unlodge_shard(self) -> None:
         """Before the full buffer goes: the shard back into a storage of its own."""
@@ -141,9 +141,9 @@ class FlatGroup:
         own = full[self.lo:self.hi].clone()
         with torch.no_grad():
             self.shard.set_(own.untyped_storage(), 0, (self.spec.shard,))
-            self._repoint_views(own.untyped_storage(), -self.lo)
+            self.repoint_views(own.untyped_storage(), -self.lo)
 
-    def _repoint_views(self, storage: torch.UntypedStorage, shift: int) -> None:
+    def repoint_views(self, storage: torch.UntypedStorage, shift: int) -> None:
         """``ds_tensor`` views onto ``storage`` (the shard starts at ``self.lo + shift``
         in it, counted from the full buffer's start)."""
         for view, lo, n in self._views:
@@ -167,7 +167,8 @@ class FlatGroup:
         self._buffer.untyped_storage().resize_(0)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
-    def _attach(self) -> None:
+    def attach(self) -> None:
+        """Point the parameters' ``.data`` at their views of the full buffer."""
         full = cast(torch.Tensor, self.full)  # gathered
         for p, off, n, shape in zip(self.params, self.flat.offsets, self.flat.numels,
                                     self.shapes, strict=True):

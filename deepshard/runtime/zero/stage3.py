@@ -45,8 +45,8 @@ reduce in groups placed where they are registered (a head after the layers reduc
 let go first) and at most two reductions are staged at once.
 
 Limits: the root unit (embeddings, head, anything outside the containers) is gathered for
-the whole forward and until its groups' gradients arrive; every rank must run the same modules in the
-same order (as in DeepSpeed: gathers are collectives).
+the whole forward and until its groups' gradients arrive; every rank must run the same
+modules in the same order (as in DeepSpeed: gathers are collectives).
 """
 
 from __future__ import annotations
