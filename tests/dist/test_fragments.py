@@ -1,6 +1,7 @@
 """``deepshard.runtime.tensor_fragment.safe_get_full_*`` (DeepSpeed's tensor-fragment API)
 at ZeRO stages 0-3 on 2 gloo ranks: a parameter's whole gradient, fp32 master and optimizer
-state equal plain torch's (``scripts/fragments_probe.py``)."""
+state equal plain torch's, and so does a step after the ``safe_set_full_*`` (stage 3: the
+``safe_set_local_*``) setters changed them (``scripts/fragments_probe.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_full_fragments_equal_plain_torch(stage):
     assert result.returncode == 0, result.stderr[-3000:]
     reports = tagged_json(result.stdout, "RESULT")
     assert sorted(reports) == [0, 1]
-    assert all(r["max_diff"] < 1e-6 for _, r in reports.values()), reports
+    # the second step starts from set values of magnitude ~1-3: a few fp32 ulps there
+    assert all(r["max_diff"] < 1e-5 for _, r in reports.values()), reports
 
 
 def test_a_parameter_no_engine_manages_reads_as_in_deepspeed():

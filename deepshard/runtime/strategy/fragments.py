@@ -102,22 +102,116 @@ class ParamFragments:
     def full_optimizer_state(self, param: torch.Tensor, key: str):
         return self._full(param, "state", key)
 
+    # setters: every rank of the data-parallel group calls them with the same value (as in
+    # DeepSpeed); each writes its own part, no communication
     @torch.no_grad()
     def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        if self.strategy.stage:
-            self._unsupported("safe_set_full_fp32_param")
+        """The master becomes ``value``, and so does the parameter the model computes with
+        (DeepSpeed's ZeRO waits for the next step to copy it there)."""
         owner = self._owner(param)
-        masters = owner.masters.master_of() if owner.masters else {}
-        if id(param) in masters:
-            masters[id(param)].copy_(value.reshape(param.shape))
-        param.copy_(value.reshape(param.shape))
+        if not owner.stage:
+            masters = owner.masters.master_of() if owner.masters else {}
+            if id(param) in masters:
+                masters[id(param)].copy_(value.reshape(param.shape))
+            param.copy_(value.reshape(param.shape))
+            return
+        k, piece, mine = _piece(owner, param)
+        owner.stepper.step_tensors[k][mine].copy_(value.reshape(-1)[piece])
+        g = owner.groups[k]
+        if g.partitioned:
+            if owner.stepper.separate[k]:
+                g.write_shard_piece(mine, value.reshape(-1)[piece])
+            if g.full is not None:  # gathered now: the whole parameter too
+                param.copy_(value.reshape(param.shape))
+        else:
+            param.copy_(value.reshape(param.shape))
 
-    def _unsupported(self, api: str) -> None:
-        raise UsageError(f"{api} is not provided at ZeRO stage {self.strategy.stage}",
-                         where=api, hint="change the weights inside deepshard.zero."
-                                         "GatheredParameters(params, modifier_rank=0)")
+    @torch.no_grad()
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """The reduced gradient the next ``step()`` uses becomes ``value``."""
+        owner = self._owner(param)
+        if not owner.stage:
+            owner.buckets.views[_index(owner, param)].copy_(value.reshape(param.shape))
+            return
+        k, piece, mine = _piece(owner, param)
+        owner.grads.shard_grads()[k][mine].copy_(value.reshape(-1)[piece])
 
-    def __getattr__(self, name: str):
-        if name.startswith(("set_", "local_")):
-            return lambda *args, **kwargs: self._unsupported(f"safe_{name}")
-        raise AttributeError(name)
+    @torch.no_grad()
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor,
+                                 key: str) -> None:
+        """Optimizer state ``key`` (``"exp_avg"``...) of ``param`` becomes ``value``."""
+        owner = self._owner(param)
+        if not owner.stage:
+            masters = owner.masters.master_of() if owner.masters is not None else {}
+            _state(self.optimizer, masters.get(id(param), param), key).copy_(
+                value.reshape(param.shape))
+            return
+        k, piece, mine = _piece(owner, param)
+        _state(self.optimizer, owner.stepper.step_tensors[k], key)[mine].copy_(
+            value.reshape(-1)[piece])
+
+    # ZeRO-3's local API: this rank's part of a parameter, flat -------------------------
+    def local_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        k, _, mine = _piece(self._stage3(param, "safe_get_local_fp32_param"), param)
+        return self._owner(param).stepper.step_tensors[k][mine]
+
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor:
+        k, _, mine = _piece(self._stage3(param, "safe_get_local_grad"), param)
+        return self._owner(param).grads.shard_grads()[k][mine]
+
+    def local_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        k, _, mine = _piece(self._stage3(param, "safe_get_local_optimizer_state"), param)
+        return _state(self.optimizer, self._owner(param).stepper.step_tensors[k], key)[mine]
+
+    @torch.no_grad()
+    def set_local_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        owner = self._stage3(param, "safe_set_local_fp32_param")
+        k, _, mine = _piece(owner, param)
+        owner.stepper.step_tensors[k][mine].copy_(value.reshape(-1))
+        if owner.stepper.separate[k]:
+            owner.groups[k].write_shard_piece(mine, value.reshape(-1))
+
+    @torch.no_grad()
+    def set_local_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        self.local_grad(param).copy_(value.reshape(-1))
+
+    @torch.no_grad()
+    def set_local_optimizer_state(self, param: torch.Tensor, value: torch.Tensor,
+                                  key: str) -> None:
+        self.local_optimizer_state(param, key).copy_(value.reshape(-1))
+
+    def _stage3(self, param: torch.Tensor, api: str):
+        owner = self._owner(param)
+        if owner.stage != 3:
+            raise UsageError(f"{api} is defined for ZeRO-3 parameters; this engine runs "
+                             f"stage {owner.stage}", where=api,
+                             hint="use the safe_get_full_*/safe_set_full_* functions")
+        return owner
+
+
+def _piece(strategy, param: torch.Tensor) -> tuple[int, slice, slice]:
+    """Where this rank holds part of ``param``: its flat group, the part as a slice of the
+    flattened parameter and as a slice of the group's shard (empty when it holds none)."""
+    i = _index(strategy, param)
+    k = next((k for k, g in enumerate(strategy.groups) if i in g.flat.params), None)
+    if k is None:
+        raise UsageError("the parameter is frozen: it has no master, gradient or optimizer "
+                         "state to set", where="safe_set_*",
+                         hint="pass a parameter that requires grad")
+    g = strategy.groups[k]
+    j = g.flat.params.index(i)
+    off, n = g.flat.offsets[j], g.flat.numels[j]
+    lo, hi = max(off, g.lo), min(off + n, g.hi)
+    if hi <= lo:
+        return k, slice(0, 0), slice(0, 0)
+    return k, slice(lo - off, hi - off), slice(lo - g.lo, hi - g.lo)
+
+
+def _state(optimizer, held: torch.Tensor, key: str) -> torch.Tensor:
+    value = optimizer.state.get(held, {}).get(key) if optimizer is not None else None
+    if not torch.is_tensor(value):
+        raise UsageError(f"the optimizer holds no state {key!r} for this parameter (yet)",
+                         where="safe_set_full_optimizer_state",
+                         hint="set optimizer states after the first step(); keys are the "
+                              "optimizer's own (Adam: exp_avg, exp_avg_sq)")
+    return value

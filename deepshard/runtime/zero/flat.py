@@ -226,6 +226,16 @@ class FlatGroup:
         buf = values.detach().to(device="cpu", dtype=self.dtype, copy=True)
         self.swapper.write(self.key, buf).result()
 
+    def write_shard_piece(self, where: slice, values: torch.Tensor) -> None:
+        """Overwrite ``shard[where]`` with ``values`` (cast to the group's dtype)."""
+        if self.swapper is None:
+            with torch.no_grad():
+                self.shard[where].copy_(values)
+            return
+        shard = self.read_shard()
+        shard[where].copy_(values)
+        self.write_shard(shard)
+
     @property
     def shard_elsewhere(self) -> bool:
         """Whether the shard is not an in-memory tensor on the compute device."""
