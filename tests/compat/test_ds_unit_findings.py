@@ -82,6 +82,23 @@ def test_save_checkpoint_without_a_directory_is_a_value_error(seen):
         assert rank["save_None"] == rank["save_''"] == "UsageValueError"
 
 
+def test_ranks_saving_under_different_tags(seen):
+    """DeepSpeed 0.19.8 (ZeRO-1, tags ``tag_rank<r>``): ``FAIL`` raises AssertionError on
+    both ranks and writes nothing; ``WARN`` (the default) logs and ``IGNORE`` says nothing,
+    and both save each rank's files under its own tag (``tag_rank0/`` with the model and
+    rank 0's optimizer file, ``tag_rank1/`` with rank 1's; ``latest`` = ``tag_rank0``): a
+    checkpoint no load restores. deepshard refuses the same way for ``FAIL`` and saves
+    under rank 0's tag for the other two (deliberately: a checkpoint that loads)."""
+    for r in seen:
+        fail = r["tags_FAIL"]
+        assert fail["error"] == "AssertionError" and "tag_rank0" in fail["message"]
+        assert fail["written"] == []
+        for mode in ("Warn", "ignore"):
+            assert "tag_rank0" in r[f"tags_{mode}"]["saved"]
+            assert "tag_rank1" not in r[f"tags_{mode}"]["saved"]
+            assert r[f"tags_{mode}"]["loaded"] == "tag_rank0"
+
+
 def test_misuse_deepspeed_asserts_on_is_catchable_as_assertion_error(seen):
     """DeepSpeed 0.19.8 raises AssertionError for ``no_sync`` at stage 3, entering it
     twice, ``step()`` inside it, and ``initialize(model=None)``; deepshard keeps its one

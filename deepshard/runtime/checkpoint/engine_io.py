@@ -21,7 +21,7 @@ from typing import cast
 import torch
 
 from deepshard.contract import DEEPSHARD_VERSION as __version__
-from deepshard.errors import UsageError, UsageValueError
+from deepshard.errors import UsageAssertionError, UsageError, UsageValueError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position
 from deepshard.runtime.checkpoint import format as fmt
@@ -40,7 +40,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
                               hint="pass the directory to save the checkpoint in")
     exclude = bool(exclude_frozen_parameters)
     tag = fmt.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    _same_directory_everywhere(engine, save_dir)
+    tag = _same_place_everywhere(engine, save_dir, tag)
     topology = engine.topology
     if topology is None and engine.mp_group is not None:
         raise UsageError("checkpoints of a model split by a user's mpu are not supported",
@@ -71,20 +71,42 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     return True
 
 
-def _same_directory_everywhere(engine, save_dir) -> None:
+def _same_place_everywhere(engine, save_dir, tag: str) -> str:
     """Every rank names the same ``save_dir`` (a directory named from each rank's clock,
     as DeepSpeedExamples' HelloDeepSpeed does, differs between ranks now and then:
-    DeepSpeed then writes a checkpoint split over two directories)."""
+    DeepSpeed then writes a checkpoint split over two directories) and the tag to save
+    under: rank 0's.
+
+    Ranks naming different tags: ``checkpoint.tag_validation`` ``Fail`` refuses on every
+    rank before anything is written, as DeepSpeed does; ``Warn`` (the default) and
+    ``Ignore`` save under rank 0's tag, warning with ``Warn``. DeepSpeed 0.19.8 saves each
+    rank's files under its own tag there: a checkpoint no load can read."""
     if engine.world_size == 1:
-        return
-    everyone: list[str | None] = [None] * engine.world_size
-    torch.distributed.all_gather_object(everyone, str(save_dir))
-    other = next((r for r, d in enumerate(everyone) if d != everyone[0]), None)
+        return tag
+    everyone: list[tuple[str, str] | None] = [None] * engine.world_size
+    torch.distributed.all_gather_object(everyone, (str(save_dir), tag))
+    dirs = [cast(tuple, e)[0] for e in everyone]
+    tags = [cast(tuple, e)[1] for e in everyone]
+    other = next((r for r, d in enumerate(dirs) if d != dirs[0]), None)
     if other is not None:
-        raise UsageError(f"rank 0 saves into {everyone[0]} but rank {other} into "
-                         f"{everyone[other]}", where="engine.save_checkpoint",
+        raise UsageError(f"rank 0 saves into {dirs[0]} but rank {other} into "
+                         f"{dirs[other]}", where="engine.save_checkpoint",
                          hint="pass every rank the same save_dir (make a name from the "
                               "clock on rank 0 and broadcast it)")
+    other = next((r for r, t in enumerate(tags) if t != tags[0]), None)
+    if other is None:
+        return tag
+    mode = engine._config.checkpoint.tag_validation.lower()
+    said = (f"rank 0 saves under tag {tags[0]!r} but rank {other} under {tags[other]!r}: "
+            "a tag with rank-specific parts cannot be restored")
+    if mode == "fail":
+        raise UsageAssertionError(said, where="checkpoint.tag_validation",
+                                  hint="pass every rank the same tag (or none: "
+                                       "global_step<N>)")
+    if mode == "warn" and engine.global_rank == 0:
+        logger.warning("%s; every rank saves under rank 0's tag %r "
+                       "(checkpoint.tag_validation Warn)", said, tags[0])
+    return tags[0]
 
 
 def _write_converter(save_dir) -> None:

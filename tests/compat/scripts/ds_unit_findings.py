@@ -33,11 +33,12 @@ class Net(torch.nn.Module):
         return f"magic {k}"
 
 
-def engine_at(stage: int):
+def engine_at(stage: int, **extra):
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              **extra}
     engine, *_ = deepspeed.initialize(model=Net(), config=config)
     return engine
 
@@ -143,5 +144,22 @@ except ValueError:
     seen["allreduce_sum_3"] = "refused"
 except Exception as exc:  # a UsageError: the one line names the key
     seen["allreduce_sum_3"] = f"refused: {exc}"
+
+# 9. ranks saving under different tags, in each checkpoint.tag_validation mode
+import os  # noqa: E402
+
+for mode in ("FAIL", "Warn", "ignore"):
+    eng = engine_at(1, checkpoint={"tag_validation": mode})
+    where = f"{args.out_dir}/tags_{mode}"
+    try:
+        eng.save_checkpoint(where, tag=f"tag_rank{rank}")
+        torch.distributed.barrier()
+        path, _ = eng.load_checkpoint(where)
+        seen[f"tags_{mode}"] = {"saved": sorted(os.listdir(where)),
+                                "loaded": os.path.basename(os.path.dirname(path + "/"))}
+    except AssertionError as exc:
+        seen[f"tags_{mode}"] = {"error": "AssertionError", "message": str(exc),
+                                "written": sorted(os.listdir(where)) if os.path.isdir(where)
+                                else []}
 
 torch.save(seen, f"{args.out_dir}/rank{rank}.pt")
