@@ -128,7 +128,7 @@ class PipelineConfig(Section):
     """``pipeline``: pipeline parallelism over the stages of a ``PipelineModule``."""
 
     ds_only_keys: ClassVar[frozenset[str]] = frozenset({
-        "partition", "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"})
+        "partition", "seed_layers", "pipe_partitioned", "grad_partitioned"})
 
     stages: PosInt = doc("Pipeline stages ('auto': the PipelineModule's num_stages, else 1).",
                          default=1)
@@ -136,7 +136,13 @@ class PipelineConfig(Section):
                                 "or 'type:<regex>' (used when the script leaves it to the "
                                 "config).", default="parameters")
     activation_checkpoint_interval: NonNegInt = doc(
-        "Recompute activations every this many layers in backward; 0: never.", default=0)
+        "Recompute activations every this many layers in backward; 0: the PipelineModule's "
+        "own interval (a positive value replaces it, as in DeepSpeed).", default=0)
+    use_reentrant: Bool = doc(
+        "DeepSpeed's choice of recompute function. deepshard always recomputes with torch's "
+        "non-reentrant checkpoint unless the PipelineModule was given one: the same "
+        "gradients, where the reentrant one loses the parameter gradients of a chunk whose "
+        "inputs need none (the first stage's).", default=True)
 
     @model_validator(mode="after")
     def _method(self, info: ValidationInfo) -> PipelineConfig:

@@ -24,16 +24,18 @@ from deepshard.runtime.parallel.topology import ProcessGroups, Topology
 logger = logging.getLogger("deepshard")
 
 
-def _warn_if_ignored(pipe, model: PipelineModule, origin: str) -> None:
-    """The module is built before initialize sees the config: say when the config asks
-    for another partition or checkpoint interval than the module was built with."""
-    said = {"partition_method": model.partition_method,
-            "activation_checkpoint_interval": model.activation_checkpoint_interval}
+def _apply_pipeline_config(pipe, model: PipelineModule, origin: str) -> None:
+    """What the ``pipeline`` section changes in a module built before initialize saw it:
+    a positive ``activation_checkpoint_interval`` replaces the module's (as DeepSpeed's
+    PipelineEngine does); a partition it cannot change any more is a warning."""
+    if pipe.activation_checkpoint_interval > 0:
+        model.activation_checkpoint_interval = pipe.activation_checkpoint_interval
+    said = {"partition_method": model.partition_method}
     differ = [f"pipeline.{k} = {getattr(pipe, k)!r} (the module has {v!r})"
               for k, v in said.items() if k in pipe.model_fields_set and getattr(pipe, k) != v]
     if differ and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning("%s: %s: the PipelineModule was built before initialize read the "
-                       "config; pass these to PipelineModule(...) instead", origin,
+        logger.warning("%s: %s: the PipelineModule was partitioned before initialize read "
+                       "the config; pass it to PipelineModule(...) instead", origin,
                        "; ".join(differ))
 
 
@@ -66,7 +68,7 @@ class Layout:
                                  f"{model.num_stages} stages", where=f"{origin}: "
                                  "pipeline.stages", hint="make them agree (or write 'auto')")
             stages = model.num_stages
-            _warn_if_ignored(cfg.pipeline, model, origin)
+            _apply_pipeline_config(cfg.pipeline, model, origin)
         elif stages > 1:
             raise UsageError(f"pipeline.stages is {stages} but the model is a plain "
                              f"{type(model).__name__}", where=f"{origin}: pipeline.stages",
