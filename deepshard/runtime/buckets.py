@@ -164,7 +164,10 @@ class GradBuckets:
         view = cast(torch.Tensor, self.views[i])  # hooked parameters have one
         if param.grad is not view:
             # the user set grads to None (optimizer.zero_grad()): put them back in the bucket
-            view.copy_(param.grad)
+            grad = param.grad
+            # a sparse gradient (Embedding(sparse=True)) is reduced dense, as DeepSpeed
+            # 0.19.8's result is: the same sum
+            view.copy_(grad.to_dense() if grad.is_sparse else grad)
             param.grad = view
         if not self.sync:
             return

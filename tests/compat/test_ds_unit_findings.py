@@ -99,6 +99,18 @@ def test_ranks_saving_under_different_tags(seen):
             assert r[f"tags_{mode}"]["loaded"] == "tag_rank0"
 
 
+def test_a_sparse_embedding_bag_trains_like_a_dense_reference(seen):
+    """DeepSpeed 0.19.8: ``EmbeddingBag(sparse=True)`` trains at stage 0 (sparse
+    all-reduce; losses equal a dense reference averaging both ranks' gradients) and fails
+    at stage 2 (``aten::view`` on a sparse tensor); the ``sparse_gradients`` key is a
+    DeepSpeedConfigError there (deepshard warns that it is ignored: the reduction is the
+    same sum either way). deepshard reduces the sparse gradient dense, at stages 0-2."""
+    for r in seen:
+        for stage in (0, 1, 2):
+            case = r[f"sparse_bag_{stage}"]
+            assert case["got"] == pytest.approx(case["want"], rel=1e-5), stage
+
+
 def test_misuse_deepspeed_asserts_on_is_catchable_as_assertion_error(seen):
     """DeepSpeed 0.19.8 raises AssertionError for ``no_sync`` at stage 3, entering it
     twice, ``step()`` inside it, and ``initialize(model=None)``; deepshard keeps its one

@@ -201,6 +201,8 @@ class Stage2Grads:
         self._seen[i] = True
         gi, off = self.group_of[i]
         grad = param.grad
+        if grad.is_sparse:  # Embedding(sparse=True): reduced dense
+            grad = grad.to_dense()
         g = self.groups[gi]
         if self._staging[gi] is None and len(g.params) == 1 and grad.is_contiguous() \
                 and grad.numel() == g.spec.padded and grad.dtype == g.dtype:

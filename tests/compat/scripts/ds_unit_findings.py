@@ -162,4 +162,39 @@ for mode in ("FAIL", "Warn", "ignore"):
                                 "written": sorted(os.listdir(where)) if os.path.isdir(where)
                                 else []}
 
+# 13. an EmbeddingBag(sparse=True) trains as a dense reference on the whole batch
+def bag_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4, mode="mean", sparse=True),
+                               torch.nn.Linear(4, 1))
+
+
+g = torch.Generator().manual_seed(3)
+batches = [(torch.randint(0, 10, (4, 3), generator=g), torch.randn(4, 1, generator=g))
+           for _ in range(3)]
+ref = bag_model()
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+want = []
+for x, y in batches:
+    loss = torch.nn.functional.mse_loss(ref(x), y)
+    ref_opt.zero_grad()
+    loss.backward()
+    ref_opt.step()
+    want.append(float(loss))
+for stage in (0, 1, 2):
+    eng, *_ = deepspeed.initialize(model=bag_model(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+    got = []
+    for x, y in batches:
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = torch.nn.functional.mse_loss(eng(x[mine]), y[mine])
+        eng.backward(loss)
+        eng.step()
+        whole = loss.detach().clone()
+        torch.distributed.all_reduce(whole)
+        got.append(float(whole) / 2)
+    seen[f"sparse_bag_{stage}"] = {"got": got, "want": want}
+
 torch.save(seen, f"{args.out_dir}/rank{rank}.pt")
