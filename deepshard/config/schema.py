@@ -201,6 +201,15 @@ CommDtype = Annotated[Literal["fp32", "fp16", "bf16"],
                       one_of("fp32", "fp16", "bf16", case_insensitive=True)]
 
 
+class DataTypesConfig(Section):
+    """``data_types``: DeepSpeed's gradient accumulation dtype."""
+
+    grad_accum_dtype: CommDtype | None = doc(
+        "dtype gradients accumulate in: deepshard accumulates them in the training dtype "
+        "(fp32, or bf16/fp16 when enabled); that value or None is accepted, another one "
+        "refused (DeepSpeed refuses the same mixes at stage 0).", default=None)
+
+
 class DeepShardConfig(Section):
     """The whole config (DeepSpeed's ``ds_config.json``), validated.
 
@@ -215,7 +224,7 @@ class DeepShardConfig(Section):
         "seq_parallel_communication_data_type", "vocabulary_size", "log_level",
         "use_data_before_expert_parallelism", "allgather_size",
         "data_parallel_size",
-        "data_types", "torch_autocast", "aio",
+        "torch_autocast", "aio",
         "autotuning", "data_efficiency", "compile", "timers",
         "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
@@ -264,6 +273,8 @@ class DeepShardConfig(Section):
                                             "caller passes one.", default=None)
     scheduler: SchedulerConfig | None = doc("The LR schedule the engine builds; None: the "
                                             "caller passes one, or none.", default=None)
+    data_types: DataTypesConfig = doc("Gradient accumulation dtype.",
+                                      default_factory=DataTypesConfig)
     fp16: FP16Config = doc("fp16 mixed precision.", default_factory=FP16Config)
     bf16: BF16Config = doc("bf16 mixed precision (the key may also be spelled 'bfloat16').",
                            default_factory=BF16Config,
@@ -317,6 +328,18 @@ class DeepShardConfig(Section):
             raise UsageError("gradient_allreduce_op 'sum' is not supported with ZeRO stage 3 "
                              "(nor by DeepSpeed)", where=log.where("gradient_allreduce_op"),
                              hint="use 'mean', or ZeRO stage 0-2")
+        return self
+
+    @model_validator(mode="after")
+    def _accumulation_in_the_training_dtype(self, info: ValidationInfo) -> DeepShardConfig:
+        wanted = self.data_types.grad_accum_dtype
+        training = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+        if wanted is not None and wanted.lower() != training:
+            log = key_log(info) or KeyLog()
+            raise UsageError(f"gradients accumulate in the training dtype ({training}), "
+                             f"not {wanted} (DeepSpeed refuses this mix at stage 0 too)",
+                             where=log.where("data_types.grad_accum_dtype"),
+                             hint=f"set it to {training!r} or remove it")
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from deepshard.config import (
     WarmupLRParams,
     load_config,
 )
+from deepshard.config.schema import validate_config
 from deepshard.errors import UsageError
 from tests.helpers import ROOT
 
@@ -594,3 +595,21 @@ def test_an_hjson_file_reads_as_deepspeed_reads_it(tmp_path):
     path.write_text('{"train_micro_batch_size_per_gpu": 2,, }')
     with pytest.raises(UsageError, match="invalid JSON"):
         load_config(str(path), world_size=1)
+
+
+@pytest.mark.parametrize(("precision", "accum", "ok"), [
+    ({}, "fp32", True), ({}, "bf16", False), ({}, "fp16", False),
+    ({"bf16": {"enabled": True}}, "bf16", True), ({"bf16": {"enabled": True}}, "fp32", False),
+    ({"fp16": {"enabled": True}}, "FP16", True), ({"fp16": {"enabled": True}}, "bf16", False),
+])
+def test_grad_accum_dtype_is_honoured_or_refused(precision, accum, ok):
+    """DeepSpeed 0.19.8 refuses fp32 + bf16/fp16 and bf16 + fp32/fp16 at stage 0
+    (NotImplementedError) and accepts every mix at stages 1-2 (stage 1 bf16 + fp32 through
+    its BF16_Optimizer). deepshard accumulates in the training dtype at every stage: that
+    value is accepted, another refused, naming the key (it used to be warned and ignored)."""
+    config = {"train_batch_size": 2, "data_types": {"grad_accum_dtype": accum}, **precision}
+    if ok:
+        assert validate_config(config)[0].data_types.grad_accum_dtype.lower() == accum.lower()
+    else:
+        with pytest.raises(UsageError, match="data_types.grad_accum_dtype.*training dtype"):
+            validate_config(config)
