@@ -611,5 +611,5 @@ def test_grad_accum_dtype_is_honoured_or_refused(precision, accum, ok):
     if ok:
         assert validate_config(config)[0].data_types.grad_accum_dtype.lower() == accum.lower()
     else:
-        with pytest.raises(UsageError, match="data_types.grad_accum_dtype.*training dtype"):
+        with pytest.raises(UsageError, match=r"data_types\.grad_accum_dtype.*training dtype"):
             validate_config(config)
