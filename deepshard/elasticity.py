@@ -4,8 +4,9 @@ Pure and torch-free: the launcher imports it to learn which world sizes a job ma
 (``ds-run --elastic_training`` starts only those), the runtime to set the batch triad for
 the world size it runs at. The results are those of ``compute_elastic_config`` in
 DeepSpeed 0.18.9, the last release that had elasticity (0.19 removed the section and
-rejects it); ``tests/unit/test_elasticity_compute.py`` holds its outputs for a grid of
-inputs.
+rejects it), with upstream's later fix that keeps the batch within
+``max_train_batch_size``; ``tests/unit/test_elastic_compute.py`` holds its outputs for a
+grid of inputs.
 
 Version 0.1 scales each micro batch size (and their least common multiple) by the largest
 highly composite number that keeps it within ``max_train_batch_size``, then keeps the
@@ -69,11 +70,12 @@ class ElasticBatch:
 
 def _candidates(bases: list[int], cap: int) -> list[int]:
     """Each base scaled by the largest highly composite number that keeps it within
-    ``cap`` (a base at or above the cap stays as it is)."""
+    ``cap``; a base above the cap is no candidate (DeepSpeed 0.18.9 kept it as it was, a
+    batch over ``max_train_batch_size``: 120 for a cap of 100 and micro batches 8, 10, 12,
+    where the fixed upstream algorithm, DeepSpeed #8237, gives 96)."""
     found = set()
     for base in bases:
-        if base >= cap:
-            found.add(base)
+        if base > cap:
             continue
         factor = max((h for h in HIGHLY_COMPOSITE if h <= cap // base),
                      default=HIGHLY_COMPOSITE[-1])

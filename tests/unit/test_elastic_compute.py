@@ -168,3 +168,15 @@ def test_bad_sections_name_the_key():
 def test_fits_batch_keeps_the_micro_batch():
     assert [w for w in range(1, 13) if fits_batch(12, 2, w)] == [1, 2, 3, 6]
     assert not fits_batch(12, 2, 0)
+
+
+def test_the_batch_stays_within_the_cap():
+    """DeepSpeed 0.18.9 returned 120 for a cap of 100 (the micro sizes' least common
+    multiple, kept although over the cap); upstream's fixed v0.1 algorithm (DeepSpeed
+    #8237, run on this machine: candidates 60, 72, 96) gives 96 at GPU counts
+    1, 2, 3, 4, 6, 8, 12."""
+    spec = ElasticSpec(enabled=True, max_train_batch_size=100, micro_batch_sizes=(8, 10, 12),
+                       version=0.1)
+    got = compute(spec, 4)
+    assert got.train_batch_size == 96
+    assert got.valid_world_sizes == (1, 2, 3, 4, 6, 8, 12)
