@@ -34,6 +34,7 @@ _LAZY = {
     "log_dist": "deepshard.runtime.logs",
     "logger": "deepshard.runtime.logs",
     "get_fp32_state_dict": "deepshard.runtime.checkpoint.consolidate",
+    "OnDevice": "deepshard.runtime.on_device",
     "UsageError": "deepshard.errors",
 }
 # DeepSpeed's spellings of the same things

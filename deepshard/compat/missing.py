@@ -34,6 +34,10 @@ _INFERENCE = Missing("DeepSpeed-Inference (init_inference, InferenceEngine)",
 _NVME = ("NVMe offload is the config's zero_optimization.offload_optimizer/offload_param "
          "with device \"nvme\"")
 _CPU_OFFLOAD = "CPU offload is the config's zero_optimization.offload_optimizer.device \"cpu\""
+_MICS = Missing("MiCS (MiCS_Init, MiCS_Optimizer: ZeRO-3 sharded within groups of "
+                "mics_shard_size ranks, replicated across them)",
+                "ZeRO-3 shards over all data-parallel ranks: deepspeed.zero.Init with "
+                "zero_optimization.stage 3")
 _CHECKPOINTS = ("engine.save_checkpoint/load_checkpoint; deepshard.get_fp32_state_dict "
                 "consolidates a ZeRO checkpoint")
 
@@ -51,10 +55,6 @@ MODULES: dict[str, Missing] = {
         "the fused DeepSpeedTransformerLayer",
         "keep your model's own layers; deepshard's fused bias-GELU, layer norm and softmax "
         "kernels are in deepshard.kernels"),
-    "deepspeed.ops.op_builder": Missing(
-        "the op builders (JIT or pre-built C++/CUDA extensions)",
-        "deepshard's CUDA kernels load at run time with CuPy (deepshard.kernels); ds_report "
-        "shows which load"),
     "deepspeed.ops.aio": Missing("the async NVMe I/O op", _NVME),
     "deepspeed.ops.gds": Missing("GPUDirect Storage I/O", _NVME),
     "deepspeed.ops.quantizer": Missing("the quantization kernels", "no deepshard equivalent"),
@@ -87,6 +87,10 @@ MODULES: dict[str, Missing] = {
                                          "with deepspeed.init_distributed()"),
     "deepspeed.launcher.multinode_runner": Missing("DeepSpeed's multi-node runner classes",
                                                    "ds-run --launcher ssh|pdsh|slurm|mpi"),
+    "deepspeed.runtime.zero.mics": _MICS,
+    # the alias looks an unknown attribute of deepspeed.zero up as a submodule, so the
+    # class is named here too: `deepspeed.zero.MiCS_Init(...)` is this one line
+    "deepspeed.zero.MiCS_Init": _MICS,
     "deepspeed.runtime.zero.stage_1_and_2": Missing(
         "DeepSpeedZeroOptimizer (ZeRO stages 1 and 2)",
         "set zero_optimization.stage to 1 or 2 in the config: deepspeed.initialize builds "

@@ -34,10 +34,20 @@ MODULES: dict[str, str] = {
     "deepspeed.runtime.pipe.engine": "deepshard.runtime.parallel.pipe_engine",
     "deepspeed.runtime.pipe.module": "deepshard.runtime.parallel.pipe_module",
     "deepspeed.runtime.pipe.topology": "deepshard.runtime.parallel.topology",
+    "deepspeed.runtime.pipe.schedule": "deepshard.runtime.parallel.pipe_instructions",
+    "deepspeed.runtime.config_utils": "deepshard.config.config_model",
+    "deepspeed.runtime.constants": "deepshard.config.key_names",
+    "deepspeed.runtime.precision_config": "deepshard.config.precision_models",
     "deepspeed.utils.zero_to_fp32": "deepshard.runtime.checkpoint.zero_to_fp32",
     "deepspeed.utils.logging": "deepshard.runtime.logs",
     "deepspeed.utils.groups": "deepshard.runtime.parallel.groups",
     "deepspeed.utils.tensor_fragment": "deepshard.runtime.tensor_fragment",
+    "deepspeed.utils.comms_logging": "deepshard.comm.logger",
+    "deepspeed.utils.timer": "deepshard.runtime.timer",
+    "deepspeed.utils.torch": "deepshard.runtime.torch_version",
+    "deepspeed.utils.nvtx": "deepshard.runtime.nvtx",
+    "deepspeed.utils.init_on_device": "deepshard.runtime.on_device",
+    "deepspeed.ops.op_builder": "deepshard.runtime.op_builders",
     "deepspeed.checkpoint.utils": "deepshard.runtime.checkpoint.clone",
     "deepspeed.moe.utils": "deepshard.runtime.parallel.expert_params",
     "deepspeed.profiling.flops_profiler": "deepshard.runtime.flops_profiler_api",
@@ -56,6 +66,8 @@ NAMES: dict[str, dict[str, str]] = {
     "deepspeed.runtime.pipe": _PIPE,
     "deepspeed.utils": {
         "RepeatingLoader": "deepshard.runtime.utils:RepeatingLoader",
+        "OnDevice": "deepshard.runtime.on_device:OnDevice",
+        "instrument_w_nvtx": "deepshard.runtime.nvtx:instrument_w_nvtx",
         **{name: f"deepshard.runtime.zero.marks:{name}" for name in
            ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
             "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module",
@@ -65,7 +77,7 @@ NAMES: dict[str, dict[str, str]] = {
         **{name: f"deepshard.runtime.tensor_fragment:{name}" for name in
            [*_FRAGMENT_API, "safe_update_full_grad_vectorized"]},
     },
-    "deepspeed.ops": {},
+    "deepspeed.ops": {"__compatible_ops__": "deepshard.runtime.op_builders:COMPATIBLE_OPS"},
     "deepspeed.ops.adam": {name: f"deepshard.runtime.optim.adam:{name}"
                            for name in ("FusedAdam", "DeepSpeedCPUAdam")},
     "deepspeed.ops.adam.fused_adam": {"FusedAdam": "deepshard.runtime.optim.adam:FusedAdam"},
@@ -82,6 +94,16 @@ NAMES: dict[str, dict[str, str]] = {
     "deepspeed.ops.lion.cpu_lion": {
         "DeepSpeedCPULion": "deepshard.runtime.optim.lion:DeepSpeedCPULion"},
     "deepspeed.ops.lion.fused_lion": {"FusedLion": "deepshard.runtime.optim.lion:FusedLion"},
+    # the zero_optimization section is deepshard's validated one (DeepSpeed's keys; those
+    # deepshard does not act on are accepted and dropped)
+    "deepspeed.runtime.zero.config": {
+        "DeepSpeedZeroConfig": "deepshard.config.schema_zero:ZeroConfig",
+        "DeepSpeedZeroOffloadParamConfig": "deepshard.config.schema_zero:OffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig":
+            "deepshard.config.schema_zero:OffloadOptimizerConfig",
+        "OffloadDeviceEnum": "deepshard.runtime.zero.states:OffloadDeviceEnum",
+        "ZeroStageEnum": "deepshard.runtime.zero.stages:ZeroStageEnum",
+    },
     "deepspeed.runtime.fp16": {},
     "deepspeed.runtime.fp16.onebit": {},
     "deepspeed.runtime.fp16.onebit.adam": {

@@ -25,6 +25,12 @@ the defaults, as DeepSpeed does.
 parallelism and preallocated GPU buffers), ``synchronize_checkpoint_boundary`` and
 ``profile`` are accepted and have no effect; :func:`configure` returns a note for each
 that is set, for the caller to log.
+
+Two DeepSpeed names are this module: ``deepspeed.checkpointing`` and
+``deepspeed.runtime.activation_checkpointing.checkpointing``. Python imports a dotted name
+only under a package, so the module has an (empty) ``__path__``: without it, importing the
+second name fails on its parent, ``deepspeed.runtime.activation_checkpointing`` (this
+module too), not being a package.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ import torch
 import torch.utils.checkpoint
 
 __all__ = ["Checkpointer", "CheckpointingConfig", "checkpoint", "configure", "is_configured",
-           "reset"]
+           "non_reentrant_checkpoint", "reset"]
+
+__path__: list[str] = []  # see the module docstring: a package with no submodules
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,13 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     Uses the settings of the last :func:`configure` in this context, else the defaults.
     """
     return _ACTIVE.get(_DEFAULT).checkpoint(function, *args, **kwargs)
+
+
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """DeepSpeed's ``non_reentrant_checkpoint(function, *args)``: :func:`checkpoint`, which
+    is always non-reentrant here (torch's ``use_reentrant=False``); works without
+    :func:`configure`."""
+    return checkpoint(function, *args)
 
 
 def is_configured() -> bool:

@@ -12,6 +12,8 @@ adds DeepSpeed's signatures, the files, and the command line DeepSpeed's script 
 ``CHECKPOINT_DIR`` is the directory given to ``engine.save_checkpoint`` (holding ``latest``
 and the tag directories), as in DeepSpeed. :func:`write_script` puts a launcher of that
 command next to the checkpoints (``zero_to_fp32.py``, where DeepSpeed puts its script).
+:func:`get_optim_files` and :func:`get_model_state_file` name a checkpoint's files for
+code that reads them itself (deepshard's names: ``model_states.pt``, ``rank_00000.pt``...).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from deepshard.errors import EXIT_USAGE, UsageError, render
+from deepshard.errors import EXIT_USAGE, UsageError, UsageValueError, render
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint.consolidate import get_fp32_state_dict
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
-           "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
-           "main", "write_script"]
+           "get_fp32_state_dict_from_zero_checkpoint", "get_model_state_file",
+           "get_optim_files", "load_state_dict_from_zero_checkpoint", "main", "write_script"]
 
 OUTPUT_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32,
                       "float16": torch.float16, "fp16": torch.float16,
@@ -136,6 +138,74 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         checkpoint_dir, output_dir, dtype=torch.float32, max_shard_size=max_shard_size,
         safe_serialization=safe_serialization, tag=tag,
         exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+# -- a checkpoint's files -----------------------------------------------------------------
+
+
+class CheckpointFileNotFoundError(UsageError, FileNotFoundError):
+    """A checkpoint file or directory that is not there (a ``FileNotFoundError``, as
+    DeepSpeed raises)."""
+
+
+def _tag_dir(checkpoint_dir: str | os.PathLike) -> tuple[Path, fmt.Manifest]:
+    """A tag directory (given, or the one ``latest`` names in a save directory) and its
+    manifest."""
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise CheckpointFileNotFoundError("directory doesn't exist", where=str(path),
+                                          hint="pass a checkpoint tag directory, or the "
+                                               "directory given to save_checkpoint")
+    manifest = fmt.read_manifest(path) or fmt.resolve_tag(path, None)
+    if manifest is None:
+        raise CheckpointFileNotFoundError(
+            "no complete deepshard checkpoint here", where=str(path),
+            hint="pass a tag directory (holding manifest.json) or the save directory")
+    return (path if (path / fmt.MANIFEST).is_file() else path / manifest.tag), manifest
+
+
+def _existing(path: Path) -> str:
+    if not path.is_file():
+        raise CheckpointFileNotFoundError("checkpoint file is missing", where=str(path),
+                                          hint="the checkpoint is incomplete: load an "
+                                               "older tag")
+    return str(path)
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """The files holding each rank's part of the optimizer state, in rank order: the
+    rank files (``rank_00000.pt``...) of a ZeRO checkpoint, where DeepSpeed has its
+    ``*_optim_states.pt``. ``checkpoint_dir`` is a tag directory or a save directory
+    (then the tag ``latest`` names).
+
+    Raises:
+        CheckpointFileNotFoundError: no checkpoint or a file missing there, or a stage 0
+            checkpoint (its optimizer state is in :func:`get_model_state_file`, as
+            DeepSpeed's is in its model states file).
+    """
+    tag_dir, manifest = _tag_dir(checkpoint_dir)
+    if manifest.zero_stage == 0:
+        raise CheckpointFileNotFoundError(
+            "a ZeRO stage 0 checkpoint has no per-rank optimizer files", where=str(tag_dir),
+            hint=f"the optimizer state is in {fmt.SHARED_FILE} "
+                 "(get_model_state_file(checkpoint_dir, 0))")
+    return [_existing(tag_dir / name) for name in manifest.files if name != fmt.SHARED_FILE]
+
+
+def get_model_state_file(checkpoint_dir: str | os.PathLike, zero_stage: int) -> str:
+    """The checkpoint's shared file, ``model_states.pt`` (module state, optimizer
+    hyperparameters, scheduler, counters, client state), where DeepSpeed has its
+    ``mp_rank_00_model_states.pt``: deepshard names it the same at every ZeRO stage.
+
+    Raises:
+        UsageValueError: ``zero_stage`` is not 0-3.
+        CheckpointFileNotFoundError: no checkpoint, or the file missing there.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise UsageValueError(f"zero_stage {zero_stage!r} is not a ZeRO stage",
+                              where="get_model_state_file", hint="pass 0, 1, 2 or 3")
+    tag_dir, _ = _tag_dir(checkpoint_dir)
+    return _existing(tag_dir / fmt.SHARED_FILE)
 
 
 # -- output files ------------------------------------------------------------------------

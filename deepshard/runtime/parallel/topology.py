@@ -14,17 +14,27 @@ replicas are the groups (one batch each) and ``D x S`` ranks reduce gradients to
 ``torch.distributed.new_group`` (each rank must create all groups, in the same order:
 torch's rule) and keeps the ones this rank belongs to, behind Megatron's ``mpu``
 interface, which DeepSpeed's engine and tensor-parallel code expect.
+
+DeepSpeed's names: a :class:`Topology` is also a
+:class:`~deepshard.runtime.parallel.process_topology.ProcessTopology` over the axes
+``pipe, data[, sequence], model`` (DeepSpeed calls the tensor axis ``model``), so
+``get_coord``, ``get_axis_comm_lists`` and the rest answer for it;
+:func:`PipeDataParallelTopology` and :func:`PipeModelDataParallelTopology` build one under
+DeepSpeed's axis lists, and :func:`PipelineParallelGrid` is DeepSpeed's grid constructor.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import namedtuple
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 from deepshard.comm.teardown import keep
-from deepshard.errors import UsageError
+from deepshard.errors import UsageError, UsageValueError
+from deepshard.runtime.parallel.process_topology import ProcessTopology
 
 Axis = Literal["pipe", "data", "sequence", "tensor"]
 AXES: tuple[Axis, ...] = ("pipe", "data", "sequence", "tensor")
@@ -33,6 +43,14 @@ AXES: tuple[Axis, ...] = ("pipe", "data", "sequence", "tensor")
 PIPE_KEY = "pipeline.stages"
 TENSOR_KEY = "tensor_parallel.autotp_size"
 SEQUENCE_KEY = "sequence_parallel_size"
+
+DS_AXIS = MappingProxyType({"pipe": "pipe", "data": "data", "sequence": "sequence",
+                            "model": "tensor"})
+"""DeepSpeed's axis names (what :class:`ProcessTopology` methods take) -> the field."""
+_DS_COORDS: MappingProxyType[tuple[str, ...], type] = MappingProxyType({
+    axes: namedtuple("ProcessCoord", axes)
+    for axes in (("pipe", "data"), ("pipe", "data", "model"), ("pipe", "data", "sequence"),
+                 ("pipe", "data", "sequence", "model"))})
 
 
 class Coord(NamedTuple):
@@ -45,9 +63,10 @@ class Coord(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(ProcessTopology):
     """A ``pipe x data x sequence x tensor`` grid of ``world = pipe * data * sequence *
-    tensor`` ranks."""
+    tensor`` ranks; as a :class:`ProcessTopology`, its axes are :attr:`ds_axes` (see the
+    module docstring)."""
 
     pipe: int = 1
     """Pipeline stages (P)."""
@@ -57,12 +76,64 @@ class Topology:
     """Tensor-parallel degree (T)."""
     sequence: int = 1
     """Ranks of one Ulysses sequence-parallel group (S): a data-parallel replica."""
+    ds_axes: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """DeepSpeed's axis list this grid answers to as a :class:`ProcessTopology`, in layout
+    order (``("pipe", "data")`` from :func:`PipeDataParallelTopology`); empty: ``pipe,
+    data, model``, with ``sequence`` before ``model`` when it is larger than 1. An axis
+    left out must have size 1."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"topology axis {axis!r} needs a positive int, got {size!r}")
+        axes = self.ds_axes or ("pipe", "data", *(("sequence",) * (self.sequence > 1)),
+                                "model")
+        if axes not in _DS_COORDS or any(getattr(self, attr) > 1 for name, attr in
+                                         DS_AXIS.items() if name not in axes):
+            raise ValueError(f"axes {axes} do not describe the topology {self}")
+        object.__setattr__(self, "ds_axes", axes)
+
+    def _grid(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        return self.ds_axes, tuple(getattr(self, DS_AXIS[a]) for a in self.ds_axes)
+
+    def _coord_type(self) -> type:
+        return _DS_COORDS[self.ds_axes]
+
+    def get_rank(self, **coord: int) -> int:
+        """:meth:`ProcessTopology.get_rank`; an axis of size 1 that :attr:`ds_axes` leaves
+        out may be given too (as 0), so DeepSpeed code written for ``pipe, data, model``
+        works on a ``pipe, data`` grid."""
+        extra = {a: v for a, v in coord.items() if a not in self.ds_axes and a in DS_AXIS}
+        for axis, value in extra.items():
+            if value != 0:
+                raise UsageValueError(f"{axis} coordinate {value!r} is outside the topology",
+                                      where="ProcessTopology.get_rank",
+                                      hint=f"{axis} has size 1: its coordinate is 0")
+        return super().get_rank(**{a: v for a, v in coord.items() if a not in extra})
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    @classmethod
+    def from_process_topology(cls, topology: ProcessTopology) -> Topology:
+        """A DeepSpeed ``ProcessTopology`` as deepshard's grid: its axes must be among
+        ``pipe, data, sequence, model`` in that order (the layout deepshard's groups use).
+
+        Raises:
+            UsageError: other axes, or another order.
+        """
+        if isinstance(topology, Topology):
+            return topology
+        axes = topology.get_axis_names()
+        if axes != [a for a in DS_AXIS if a in axes]:
+            raise UsageError(f"deepshard's process groups lay ranks out over pipe, data, "
+                             f"sequence, model (in that order); this topology's axes are "
+                             f"{list(axes)}", where="PipelineParallelGrid(topology)",
+                             hint="build it with PipeModelDataParallelTopology or "
+                                  "PipeDataParallelTopology")
+        named = tuple(a for a in DS_AXIS if a in axes or a in ("pipe", "data"))
+        return cls(**{DS_AXIS[a]: topology.get_dim(a) for a in axes}, ds_axes=named)
 
     @classmethod
     def from_config(cls, world: int, pipe_stages: int = 1, tp_size: int = 1,
@@ -173,13 +244,54 @@ class Topology:
 
 
 def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> Topology:
-    """DeepSpeed's constructor name and argument order, for ported scripts."""
-    return Topology(pipe=num_pp, data=num_dp, tensor=num_mp)
+    """DeepSpeed's constructor name and argument order, for ported scripts: axes ``pipe,
+    data, model``."""
+    return Topology(pipe=num_pp, data=num_dp, tensor=num_mp,
+                    ds_axes=("pipe", "data", "model"))
 
 
 def PipeDataParallelTopology(num_pp: int, num_dp: int) -> Topology:
-    """DeepSpeed's constructor name and argument order, for ported scripts."""
-    return Topology(pipe=num_pp, data=num_dp, tensor=1)
+    """DeepSpeed's constructor name and argument order, for ported scripts: axes ``pipe,
+    data``."""
+    return Topology(pipe=num_pp, data=num_dp, tensor=1, ds_axes=("pipe", "data"))
+
+
+def PipelineParallelGrid(topology: ProcessTopology | None = None,
+                         process_group: Any = None) -> ProcessGroups:
+    """DeepSpeed's grid: this rank's :class:`ProcessGroups` over ``topology`` (a collective
+    call on every rank, after ``init_distributed``).
+
+    Without a topology, the world's prime factors are dealt out in turn to pipe and data,
+    as DeepSpeed does (4 ranks: 2 stages x 2 replicas). ``process_group`` is accepted and
+    not used (DeepSpeed's is not either). The grid's ``topology`` is an attribute, where
+    DeepSpeed's is a method.
+
+    Raises:
+        UsageError: a topology whose axes deepshard cannot lay out (see
+            :meth:`Topology.from_process_topology`), or one that does not cover the world.
+    """
+    del process_group
+    if topology is None:
+        import torch.distributed as dist
+
+        pipe = data = 1
+        for i, prime in enumerate(_prime_factors(dist.get_world_size())):
+            if i % 2 == 0:
+                pipe *= prime
+            else:
+                data *= prime
+        topology = PipeDataParallelTopology(num_pp=pipe, num_dp=data)
+    return ProcessGroups.create(Topology.from_process_topology(topology))
+
+
+def _prime_factors(n: int) -> list[int]:
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
 
 
 def _checked_axis(axis: str) -> Axis:
@@ -346,3 +458,28 @@ class ProcessGroups:
 
     def get_data_parallel_id(self) -> int:
         return self.coord.data
+
+    # the rest of DeepSpeed's PipelineParallelGrid
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the first pipeline stage."""
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage."""
+        return self.stage_id == self.topology.pipe - 1
+
+    def get_global_rank(self) -> int:
+        return self.rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        """The global ranks of this rank's data-parallel group."""
+        return list(self.topology.group_of("data", self.rank))
+
+    def stage_to_global(self, stage_id: int, **kwargs: int) -> int:
+        """The global rank holding ``stage_id`` at this rank's other coordinates, some of
+        which ``kwargs`` may replace (DeepSpeed's axis names: ``data=``, ``model=``)."""
+        here = self.topology.get_coord(self.rank)._replace(pipe=stage_id, **kwargs)
+        return self.topology.get_rank(**here._asdict())
