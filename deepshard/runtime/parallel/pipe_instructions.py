@@ -160,6 +160,7 @@ class TrainSchedule(PipeSchedule):
     tied and data-parallel gradients and steps the optimizer."""
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
+        """Yield each step's instructions (see the class docstring)."""
         total = 2 * (self.micro_batches + self.stages - 1)
         prev = -1
         for step_id in range(total):
@@ -208,6 +209,7 @@ class InferenceSchedule(PipeSchedule):
     alternating (even stages send before they receive, odd ones after)."""
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
+        """Yield each step's instructions (see the class docstring)."""
         for step_id in range(self.micro_batches + self.stages - 1):
             mb = step_id - self.stage_id
             even = self.stage_id % 2 == 0
@@ -235,6 +237,7 @@ class DataParallelSchedule(PipeSchedule):
     micro-batch in one buffer, then reduce and step."""
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
+        """Yield each step's instructions (see the class docstring)."""
         for step_id in range(self.micro_batches):
             cmds: list[PipeInstruction] = [LoadMicroBatch(buffer_id=0),
                                            ForwardPass(buffer_id=0), BackwardPass(buffer_id=0)]

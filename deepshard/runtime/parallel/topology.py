@@ -472,6 +472,7 @@ class ProcessGroups:
         return self.stage_id == self.topology.pipe - 1
 
     def get_global_rank(self) -> int:
+        """This rank's global rank."""
         return self.rank
 
     def get_data_parallel_group_ranks(self) -> list[int]:
