@@ -82,6 +82,21 @@ def test_save_checkpoint_without_a_directory_is_a_value_error(seen):
         assert rank["save_None"] == rank["save_''"] == "UsageValueError"
 
 
+def test_parameters_used_outside_their_module_are_gathered(seen):
+    """DeepSpeed 0.19.8 (2 ranks, SGD, same data on both): a parameter read outside its
+    own module's forward trains exactly as plain torch without
+    ``register_external_parameter`` (its ZeROOrderedDict gathers it on access during the
+    engine's forward): the parent reading a child's weight, and a module reading a
+    sibling's. So does deepshard's: each partitioned module's ``_parameters`` tells the
+    coordinator, which gathers the group until backward has its gradients (without grad:
+    until the forward ends)."""
+    for r in seen:
+        for case in ("ext_ExtLinear", "ext_Sibling"):
+            got = r[case]
+            assert got["got"] == pytest.approx(got["want"], rel=1e-5), case
+            assert got["released"] == [0] * len(got["released"]), case
+
+
 def test_ranks_saving_under_different_tags(seen):
     """DeepSpeed 0.19.8 (ZeRO-1, tags ``tag_rank<r>``): ``FAIL`` raises AssertionError on
     both ranks and writes nothing; ``WARN`` (the default) logs and ``IGNORE`` says nothing,

@@ -52,6 +52,7 @@ modules in the same order (as in DeepSpeed: gathers are collectives).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 
 from deepshard.runtime.zero.flat import FlatGroup
 from deepshard.runtime.zero.marks import external_parameters, z3_leaf_module
+from deepshard.runtime.zero.status import ZeroParamStatus
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -230,6 +232,16 @@ class ParamCoordinator:
                     lambda m, args, kwargs, out, u=unit: self._post_forward(
                         u, (args, kwargs), out), with_kwargs=True))
         self._forwards = 0  # numbers each forward of a unit, for its backward's bookkeeping
+        # groups gathered because a forward read their parameters outside their unit
+        self._borrowed: dict[int, FlatGroup] = {}
+        self._watched: list[torch.nn.Module] = []
+        gathered_groups = {id(g) for u in self.units for g in (*u.groups, *u.frozen)}
+        root = self.units[0].module if self.units else None
+        for module in root.modules() if root is not None else ():
+            if any(id(getattr(p, "ds_group", None)) in gathered_groups
+                   for p in module._parameters.values() if p is not None):
+                module._parameters = _WatchedParameters(module._parameters, self)
+                self._watched.append(module)
 
     # forward ---------------------------------------------------------------------------
     @torch.compiler.disable
@@ -255,6 +267,10 @@ class ParamCoordinator:
         root = self.units[0]
         if root.groups or root.frozen:
             self._post_forward(root, inputs, out)
+        if not torch.is_grad_enabled():  # no backward will let them go
+            for g in self._borrowed.values():
+                g.release()
+            self._borrowed.clear()
 
     @torch.compiler.disable
     def _pre_forward(self, unit: Unit, inputs) -> None:
@@ -295,7 +311,7 @@ class ParamCoordinator:
                 unit.pending_grads = len(unit.groups)
                 if self._reused_soon(unit):
                     return
-        unit.release()
+        self._release_unit(unit)
 
     def _reused_soon(self, unit: Unit) -> bool:
         """Whether a unit whose forward (with grad) just ended stays gathered for its
@@ -315,6 +331,23 @@ class ParamCoordinator:
             between = 2 * self._after[pos]
         live = sum(u.numel for u in self.units if u.gathered)
         return between <= self.max_reuse and live <= self.max_live
+
+    def borrow(self, param: torch.nn.Parameter) -> None:
+        """A forward read ``param`` while its unit was not gathered (a parameter used
+        outside its own module, as DeepSpeed detects through its ``ZeROOrderedDict``):
+        gather its group now and keep it until backward has its gradients (or, without
+        grad, until the forward ends). Collective, like every gather."""
+        group = getattr(param, "ds_group", None)
+        if group is None or (self._entered is None and not _in_backward()):
+            return
+        group.gather()
+        self._borrowed[id(group)] = group
+
+    def _release_unit(self, unit: Unit) -> None:
+        """Release a unit after its forward, except groups a forward borrowed."""
+        for g in (*unit.groups, *unit.frozen):
+            if id(g) not in self._borrowed:
+                g.release()
 
     # backward --------------------------------------------------------------------------
     @torch.compiler.disable
@@ -353,7 +386,9 @@ class ParamCoordinator:
         unit = self.units[u]
         # a group whose gradients have all accumulated is not read again by this backward
         # (the root's head is let go at the start of backward, its embedding at the end)
-        unit.groups[self._position[group_index]].release()
+        group = unit.groups[self._position[group_index]]
+        self._borrowed.pop(id(group), None)
+        group.release()
         unit.pending_grads -= 1
         if unit.pending_grads <= 0:
             unit.release_frozen_if_done()
@@ -362,6 +397,7 @@ class ParamCoordinator:
         """After a backward: nothing stays gathered; the first pass fixes the order."""
         for unit in self.units:
             unit.reset()
+        self._borrowed.clear()
         if self.trace and self._recording:
             self._recording = False
             after, total = [], 0
@@ -407,10 +443,34 @@ class ParamCoordinator:
             nxt += direction
 
     def remove(self) -> None:
-        """Unregister the hooks."""
+        """Unregister the hooks (and the parameter dicts' watch)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module in self._watched:
+            module._parameters = dict(module._parameters)
+        self._watched.clear()
+
+
+_NOT_GATHERED = (ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT)
+
+
+class _WatchedParameters(dict):
+    """A module's ``_parameters`` that tells the coordinator when a forward reads a
+    partitioned parameter that is not gathered (``module.weight`` goes through
+    ``__getitem__``; iteration, ``state_dict`` and ``named_parameters`` do not)."""
+
+    def __init__(self, params: dict, coordinator: ParamCoordinator):
+        super().__init__(params)
+        self._coordinator = weakref.ref(coordinator)
+
+    def __getitem__(self, key: str):
+        p = super().__getitem__(key)
+        if p is not None and getattr(p, "ds_status", None) in _NOT_GATHERED:
+            coordinator = self._coordinator()
+            if coordinator is not None:
+                coordinator.borrow(p)
+        return p
 
 
 def _entry_chain(root: torch.nn.Module, inner: set[int]) -> list[torch.nn.Module]:

@@ -145,6 +145,63 @@ except ValueError:
 except Exception as exc:  # a UsageError: the one line names the key
     seen["allreduce_sum_3"] = f"refused: {exc}"
 
+# 2. a ZeRO-3 parameter used outside its own module's forward (DeepSpeed's
+# test_ext_param_getattr): detected and gathered; training equals plain torch
+class ExtLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear1 = torch.nn.Linear(16, 16)
+        self.linear2 = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        b = self.linear2(self.linear1(x))
+        return torch.nn.functional.linear(b, self.linear1.weight).square().mean()
+
+
+class Sibling(torch.nn.Module):
+    """``b``'s forward reads ``a``'s weight (``a`` is held apart, not inside ``b``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.b.forward = lambda x: torch.nn.functional.linear(x, self.a.weight) + self.b.bias
+
+    def forward(self, x):
+        return self.b(self.a(x)).square().mean()
+
+
+def ext_losses(cls, stage):
+    torch.manual_seed(0)
+    model = cls()
+    ref = cls()
+    ref.load_state_dict(model.state_dict())
+    eng, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    got, want = [], []
+    for step in range(2):
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
+        loss = eng(x)
+        eng.backward(loss)
+        eng.step()
+        got.append(float(loss))
+        opt.zero_grad()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        opt.step()
+        want.append(float(ref_loss))
+    with torch.no_grad():
+        no_grad = float(eng(x))
+    return {"got": got, "want": want, "no_grad": no_grad,
+            "released": [p.numel() for p in eng.module.parameters()]}
+
+
+for cls in (ExtLinear, Sibling):
+    seen[f"ext_{cls.__name__}"] = ext_losses(cls, 3)
+
 # 9. ranks saving under different tags, in each checkpoint.tag_validation mode
 import os  # noqa: E402
 
