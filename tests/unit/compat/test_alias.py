@@ -165,7 +165,7 @@ def test_missing_module_is_an_import_error_scripts_can_catch(tmp_path):
     out = ok(run_py("""
         from deepshard.errors import UsageError
         try:
-            import deepspeed.ops.op_builder
+            import deepspeed.ops.aio
         except ImportError as exc:
             assert isinstance(exc, ModuleNotFoundError) and isinstance(exc, UsageError)
             print(exc.name)
@@ -174,7 +174,7 @@ def test_missing_module_is_an_import_error_scripts_can_catch(tmp_path):
         except ModuleNotFoundError as exc:
             print(exc.name)
     """, tmp_path))
-    assert out.split()[0] == "deepspeed.ops.op_builder"  # deepspeed.ops is a table row
+    assert out.split()[0] == "deepspeed.ops.aio"  # deepspeed.ops is a table row
     assert out.split()[1] == "deepspeed.inference"
 
 

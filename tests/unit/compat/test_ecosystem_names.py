@@ -31,11 +31,6 @@ from deepshard.contract import SHIM_DIR
 PACKAGES = ("transformers", "accelerate", "peft", "trl", "lightning")
 
 EXCLUDED: dict[str, str] = {
-    "deepspeed.utils.zero_to_fp32.get_model_state_file":
-        "Lightning's converter reads DeepSpeed's checkpoint file names "
-        "(mp_rank_00_model_states.pt); reading and writing DeepSpeed's layout is issue 35",
-    "deepspeed.utils.zero_to_fp32.get_optim_files":
-        "as get_model_state_file: DeepSpeed's checkpoint file layout (issue 35)",
     "deepspeed.utils.is_initialized":
         "not a DeepSpeed 0.19.8 name; transformers' esmfold reaches it only when DeepSpeed is "
         "not importable (inverted is_deepspeed_available check) and catches any exception",
