@@ -331,6 +331,9 @@ def zero3_engine():
     with unwrap_model_for_generation(engine) as unwrapped:
         shapes.append(list(weight.shape))
         same = unwrapped is engine
+        with torch.no_grad():
+            unwrapped(torch.ones(1, 8))  # a forward inside lets nothing go
+        shapes.append(list(weight.shape))
     shapes.append(list(weight.shape))
     plain = torch.nn.Linear(2, 2)
     with unwrap_model_for_generation(plain) as got:
@@ -518,7 +521,7 @@ def test_op_builders_answer_for_deepshard(got):
 
 def test_zero3_generation_checkpoint_files_and_grid(got):
     z = got["zero3_engine"]
-    assert z["shapes"] == [[0], [8, 8], [0]] and z["same"] == [True, True]
+    assert z["shapes"] == [[0], [8, 8], [8, 8], [0]] and z["same"] == [True, True]
     assert z["optim"] == ["global_step0/rank_00000.pt"] and z["optim_root"]
     assert z["model"] == "global_step0/model_states.pt"
     assert "directory doesn't exist" in z["missing"]

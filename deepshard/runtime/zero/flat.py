@@ -54,6 +54,9 @@ class FlatGroup:
         self.shard_device = shard_device if partitioned and shard_device else self.device
         self.on_modified: Callable[[], None] | None = None
         self._work = None
+        # open GatheredParameters blocks over this group: it stays gathered through them
+        # (a forward inside one does not release it)
+        self.holds = 0
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         # the ds_tensor views of the shard: (view, its start in the full buffer, numel)
         self._views: list[tuple[torch.Tensor, int, int]] = []
@@ -154,8 +157,8 @@ class FlatGroup:
         tensors taken from the gathered parameters (a ``state_dict()`` inside
         ``GatheredParameters``) stay valid, holding the values of that moment, as with
         DeepSpeed: the buffer is let go rather than freed in place, and the next gather
-        fills a new one."""
-        if not self.partitioned:
+        fills a new one. A group an open ``GatheredParameters`` block holds stays."""
+        if not self.partitioned or self.holds:
             return
         self.wait()
         self._unlodge_shard()

@@ -6,11 +6,9 @@ again on exit, as :class:`~deepshard.runtime.zero.init.GatheredParameters` does 
 collective: every rank enters the block). At stages 0-2, or for a model that was never
 partitioned, nothing is gathered and the model is yielded as it is.
 
-One difference from DeepSpeed: DeepSpeed also takes its per-module ZeRO-3 hooks off for the
-block, so generation runs on the parameters gathered once. deepshard's parameter
-coordinator keeps its hooks, so a forward inside the block still gathers and releases the
-modules it runs, as it does outside: the results are the same, the speed-up is not there
-yet, and after a forward the parameters it used are partitioned again.
+As with DeepSpeed (which takes its per-module ZeRO-3 hooks off for the block),
+generation runs on the parameters gathered once: a gathered group stays gathered while a
+``GatheredParameters`` block holds it, so the forwards inside release nothing.
 """
 
 from __future__ import annotations

@@ -336,6 +336,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self._was_gathered = [g.gathered for g in self.groups]
         for g in self.groups:
             g.gather()
+            g.holds += 1
         # built under zero.Init and not yet given to initialize: whole for the block
         self._init_params = [p for p in self.params if hasattr(p, "ds_shard")]
         for p in self._init_params:
@@ -358,6 +359,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
                     init_repartition(p, None)
         finally:
             for g, was in zip(self.groups, self._was_gathered, strict=True):
+                g.holds -= 1
                 if not was:
                     g.release(keep_taken=True)
         return None
