@@ -256,6 +256,19 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
             self._states = StateMover.for_engine(self.strategy, self.optimizer, self._zero)
         self._states.reload(non_blocking)
 
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """DeepSpeed's: reduce the gradients over the data-parallel ranks now
+        (collective). deepshard reduces them during every synchronising backward, so this
+        reduces only what backwards that did not synchronise left in ``.grad`` (under
+        ``no_sync()``, or through another engine) and is a no-op otherwise: calling it after
+        ``engine.backward`` never reduces twice (``step()`` reduces what is left in any
+        case). ``bucket_size`` is DeepSpeed's tuning knob, not needed here."""
+        del bucket_size
+        reducer = getattr(self.strategy, "grads", None) or getattr(self.strategy, "buckets",
+                                                                     None)
+        if reducer is not None and getattr(reducer, "unreduced", False):
+            self.strategy.reduce_now()
+
     @property
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` ran."""

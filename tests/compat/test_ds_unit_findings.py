@@ -97,6 +97,16 @@ def test_parameters_used_outside_their_module_are_gathered(seen):
             assert got["released"] == [0] * len(got["released"]), case
 
 
+def test_allreduce_gradients_reduces_once(seen):
+    """DeepSpeed 0.19.8's ``engine.allreduce_gradients()`` (what its backward calls) averages
+    the ranks' gradients; deepshard reduces during backward, so the call reduces only what
+    a ``no_sync`` backward left: 1.5 for gradients 1 and 2 either way, never 0.75 or 3."""
+    for r in seen:
+        for stage in (0, 1):
+            for sync in (True, False):
+                assert r[f"allreduce_gradients_{stage}_{sync}"] == 1.5, (stage, sync)
+
+
 def test_ranks_saving_under_different_tags(seen):
     """DeepSpeed 0.19.8 (ZeRO-1, tags ``tag_rank<r>``): ``FAIL`` raises AssertionError on
     both ranks and writes nothing; ``WARN`` (the default) logs and ``IGNORE`` says nothing,

@@ -202,6 +202,27 @@ def ext_losses(cls, stage):
 for cls in (ExtLinear, Sibling):
     seen[f"ext_{cls.__name__}"] = ext_losses(cls, 3)
 
+# engine.allreduce_gradients(): after a synchronising backward nothing changes; after a
+# no_sync backward it averages the ranks' gradients (each rank's gradient is rank + 1)
+from deepspeed.utils import safe_get_full_grad  # noqa: E402
+
+for stage in (0, 1):
+    for sync in (True, False):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 1, bias=False)
+        eng, *_ = deepspeed.initialize(model=lin, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+        out = eng(torch.full((1, 4), float(rank + 1))).sum()
+        if sync:
+            eng.backward(out)
+        else:
+            with eng.no_sync():
+                eng.backward(out)
+        eng.allreduce_gradients()
+        seen[f"allreduce_gradients_{stage}_{sync}"] = float(safe_get_full_grad(lin.weight)[0, 0])
+
 # 9. ranks saving under different tags, in each checkpoint.tag_validation mode
 import os  # noqa: E402
 
