@@ -1,5 +1,7 @@
 """MoE with expert parallelism through the engine (``scripts/moe_engine.py``) on 2 and 4
-gloo ranks: every (ep_size, k, drop_tokens, ZeRO stage 0-2, SGD or Adam) case equals one
+gloo ranks: every (ep_size, k, drop_tokens, ZeRO stage 0-2, SGD or Adam; also a client
+optimizer with one group over dense and expert parameters, which DeepSpeed 0.19.8 accepts
+at stage 0 and asserts on at stages 1-2) case equals one
 process holding every expert on the same global batches (fp32: 1e-5), the global gradient
 norm counts every expert once (clipping by it), and an expert that no token reaches
 (ep 4: a rank with nothing to compute) neither hangs nor drifts."""

@@ -6,8 +6,10 @@ kept apart by expert group, one plain strategy per part (:mod:`.parts`) and the 
 
 Param groups: a config-built optimizer, or a client's callable, gets the groups split as
 DeepSpeed splits them (``split_params_into_different_moe_groups_for_optimizer``); a
-client's optimizer object must come split already (DeepSpeed asserts so at ZeRO stages
-1-2), else a one-line error says how.
+client's optimizer object keeps its groups, and one group may hold dense and expert
+parameters (DeepSpeed 0.19.8 accepts that at stage 0 and asserts at stages 1-2; here each
+part steps its own tensors of the group with the group's hyperparameters, at every
+stage).
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from deepshard.runtime.strategy.moe import MoEStrategy, Part
 from deepshard.runtime.zero.spec import ZeroSpec
 
 DENSE = "dense"
-HINT_SPLIT = ("build the optimizer over deepspeed.moe.utils."
-              "split_params_into_different_moe_groups_for_optimizer(params)")
 
 
 def build_moe(cfg, spec: ZeroSpec, module: torch.nn.Module, client, source: list[dict],
@@ -44,15 +44,17 @@ def build_moe(cfg, spec: ZeroSpec, module: torch.nn.Module, client, source: list
         source = split_params_into_different_moe_groups_for_optimizer(
             [{**g, "params": _listed(g["params"], replaced)} for g in source])
     members = group_members(cfg, client, source, params, names, replaced)
-    kinds = [_kind(source[o], [params[i] for i in m]) for o, m in enumerate(members)]
+    kinds = [_kinds([params[i] for i in m]) for m in members]
     built: dict[str, tuple[Part, list[list[torch.Tensor]]]] = {}
     for kind in sorted({DENSE, *(_name_of(p) for p in params if is_moe_param(p))}):
         built[kind] = _part(spec, module, kind, names, params, members, kinds, expert_groups,
                             group, world, rank, comm)
+    # a group's step tensors: each part's of it, dense first (one group may hold several
+    # parts' parameters: DeepSpeed accepts such a client optimizer at stage 0)
     steps: list[list[torch.Tensor]] = []
-    for o, kind in enumerate(kinds):
-        part, part_steps = built[kind]
-        steps.append(part_steps[part.opt_groups.index(o)])
+    for o, group_kinds in enumerate(kinds):
+        steps.append([t for kind in group_kinds
+                      for t in built[kind][1][built[kind][0].opt_groups.index(o)]])
     optimizer = make_optimizer(cfg, client, source, steps, group)
     experts = [built[k][0] for k in sorted(built) if k != DENSE]
     strategy = MoEStrategy(built[DENSE][0], experts, group, world)
@@ -92,14 +94,11 @@ def _name_of(p: torch.nn.Parameter) -> str:
     return p.group_name if is_moe_param(p) else DENSE
 
 
-def _kind(group: dict, members: Sequence[torch.nn.Parameter]) -> str:
-    """The part an optimizer param group belongs to: dense, or one expert group."""
-    kinds = {_name_of(p) for p in members}
-    if len(kinds) > 1:
-        raise UsageError(f"an optimizer param group ({group.get('name', 'unnamed')}) mixes "
-                         f"dense and expert parameters ({', '.join(sorted(kinds))})",
-                         where="initialize(optimizer=...)", hint=HINT_SPLIT)
-    return kinds.pop() if kinds else DENSE
+def _kinds(members: Sequence[torch.nn.Parameter]) -> list[str]:
+    """The parts an optimizer param group's parameters belong to (dense, expert groups),
+    in the parts' order; an empty group is the dense part's."""
+    kinds = {_name_of(p) for p in members} or {DENSE}
+    return sorted(kinds, key=lambda k: (k != DENSE, k))
 
 
 def _part(spec: ZeroSpec, module, kind: str, names, params, members, kinds, expert_groups, group,
@@ -107,13 +106,13 @@ def _part(spec: ZeroSpec, module, kind: str, names, params, members, kinds, expe
     """One part's strategy over its parameters and the tensors it steps per group."""
     mine = [i for i, p in enumerate(params) if _name_of(p) == kind]
     index = {i: j for j, i in enumerate(mine)}
-    opt_groups = tuple(o for o, k in enumerate(kinds) if k == kind)
-    local = [[index[i] for i in members[o]] for o in opt_groups]
+    opt_groups = tuple(o for o, ks in enumerate(kinds) if kind in ks)
+    local = [[index[i] for i in members[o] if i in index] for o in opt_groups]
     local_names = tuple(names[i] for i in mine)
     if kind == DENSE:
         strategy, steps = plain_strategy(spec, module, local_names, [params[i] for i in mine],
                                          local, group, world, rank, comm)
-        return Part(kind, strategy, opt_groups, local_names), steps
+        return Part(kind, strategy, opt_groups, local_names, steps=_ids(steps)), steps
     eg = expert_groups.get(kind)
     if eg is None:
         raise UsageError(f"expert parameters of group {kind} belong to no MoE layer",
@@ -126,7 +125,11 @@ def _part(spec: ZeroSpec, module, kind: str, names, params, members, kinds, expe
                                      edp_world, eg.edp_rank, comm)
     every = frozenset(n for r in renamed for n in r[1])
     return Part(kind, strategy, opt_groups, local_names, eg.ep_group, eg.ep_size,
-                eg.edp_rank, every), steps
+                eg.edp_rank, every, _ids(steps)), steps
+
+
+def _ids(steps: Sequence[Sequence[torch.Tensor]]) -> frozenset[int]:
+    return frozenset(id(t) for tensors in steps for t in tensors)
 
 
 _INDEX = re.compile(r"\d+")

@@ -67,6 +67,13 @@ class Part:
     ep_world: int = 1
     edp_rank: int = 0
     all_names: frozenset[str] = frozenset()
+    steps: frozenset[int] = frozenset()
+    """The ids of the tensors it steps: a param group may hold several parts' (a client
+    optimizer over dense and expert parameters in one group)."""
+
+    def narrow(self, optimizer: torch.optim.Optimizer | None):
+        """:func:`narrowed` to this part's groups and tensors."""
+        return narrowed(optimizer, self.opt_groups, self.steps or None)
 
     @property
     def whole(self) -> bool:
@@ -75,23 +82,36 @@ class Part:
 
 
 @contextlib.contextmanager
-def narrowed(optimizer: torch.optim.Optimizer | None,
-             indices: Sequence[int]) -> Iterator[torch.optim.Optimizer | None]:
+def narrowed(optimizer: torch.optim.Optimizer | None, indices: Sequence[int],
+             tensors: frozenset[int] | None = None
+             ) -> Iterator[torch.optim.Optimizer | None]:
     """``optimizer`` showing only its param groups ``indices`` and their state for the
     block (``step``, ``state_dict`` and ``load_state_dict`` then see only those); what
-    the block changed (new state, groups replaced by ``load_state_dict``) is kept."""
+    the block changed (new state, groups replaced by ``load_state_dict``) is kept. With
+    ``tensors`` (ids), a group holding other tensors too is shown with only those; the
+    block's hyperparameters go back into the whole group."""
     if optimizer is None:
         yield None
         return
     groups, state = optimizer.param_groups, optimizer.state
-    ids = {id(p) for i in indices for p in groups[i]["params"]}
-    optimizer.param_groups = [groups[i] for i in indices]
+
+    def shown(g: dict) -> dict:
+        if tensors is None or all(id(p) in tensors for p in g["params"]):
+            return g
+        return {**g, "params": [p for p in g["params"] if id(p) in tensors]}
+
+    presented = [shown(groups[i]) for i in indices]
+    ids = {id(p) for g in presented for p in g["params"]}
+    optimizer.param_groups = presented
     optimizer.state = defaultdict(dict, {p: s for p, s in state.items() if id(p) in ids})
     try:
         yield optimizer
     finally:
-        for i, g in zip(indices, optimizer.param_groups, strict=True):
-            groups[i] = g
+        for i, before, g in zip(indices, presented, optimizer.param_groups, strict=True):
+            if before is groups[i]:
+                groups[i] = g
+            else:  # a part of a shared group: its hyperparameters only
+                groups[i].update({k: v for k, v in g.items() if k != "params"})
         mine = optimizer.state
         for p in [p for p in state if id(p) in ids]:
             del state[p]
@@ -148,7 +168,7 @@ class MoEStrategy(DataParallelStrategy):
 
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
         for part in self.parts:
-            with narrowed(optimizer, part.opt_groups) as mine:
+            with part.narrow(optimizer) as mine:
                 part.strategy.apply_step(mine)
 
     def zero_grad(self) -> None:
@@ -192,7 +212,7 @@ class MoEStrategy(DataParallelStrategy):
         stage 0, where every part's are whole)."""
         out = {"params": 0, "grads": 0, "optimizer": 0, "nvme": 0}
         for part in self.parts:
-            with narrowed(optimizer, part.opt_groups) as mine:
+            with part.narrow(optimizer) as mine:
                 held = part.strategy.state_bytes(
                     module if part is self.parts[0] else torch.nn.Module(), mine)
             for key in out:
@@ -212,7 +232,7 @@ class MoEStrategy(DataParallelStrategy):
     def materialized(self, optimizer) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for part in self.parts:
-                with narrowed(optimizer, part.opt_groups) as mine:
+                with part.narrow(optimizer) as mine:
                     stack.enter_context(part.strategy.materialized(mine))
             yield
 
@@ -236,19 +256,19 @@ class MoEStrategy(DataParallelStrategy):
         if optimizer is None:
             return None
         dense = self.parts[0]
-        with narrowed(optimizer, dense.opt_groups) as mine:
+        with dense.narrow(optimizer) as mine:
             state = dense.strategy.optimizer_state(mine)
         return {**(state or {}), "param_groups": optimizer.state_dict()["param_groups"]}
 
     def optimizer_names(self, optimizer) -> list[str] | None:
         dense = self.parts[0]
-        with narrowed(optimizer, dense.opt_groups) as mine:
+        with dense.narrow(optimizer) as mine:
             return dense.strategy.optimizer_names(mine)
 
     def rank_payload(self, optimizer, exclude_frozen: bool = False) -> list[dict]:
         out: list[dict] = []
         for part in self.parts:
-            with narrowed(optimizer, part.opt_groups) as mine:
+            with part.narrow(optimizer) as mine:
                 if part is not self.parts[0] and part.whole:
                     if part.edp_rank == 0:  # the others hold the same replicas
                         out.extend(whole_entries(cast(Stage0Strategy, part.strategy), mine))
@@ -274,7 +294,7 @@ class MoEStrategy(DataParallelStrategy):
         missing: set[str] = set()
         for part in self.parts:
             saved = [saved_groups[i] for i in part.opt_groups] if full else []
-            with narrowed(optimizer, part.opt_groups) as mine:
+            with part.narrow(optimizer) as mine:
                 if part is not self.parts[0] and part.whole:
                     missing |= restore_whole(part.strategy, mine, by_name, load_optimizer,
                                              saved)

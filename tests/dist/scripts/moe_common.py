@@ -33,7 +33,10 @@ class Case:
     k: int
     drop: bool
     stage: int
-    opt: str  # "sgd" (client torch SGD over split groups) or "adam" (the config's Adam)
+    # "sgd" (client torch SGD over split groups), "adam" (the config's Adam), or a client
+    # optimizer with one group over every parameter, dense and expert ("sgd1", "adamw1":
+    # DeepSpeed 0.19.8 accepts that at stage 0, asserts at stages 1-2)
+    opt: str
     clip: float = 0.0
     empty: bool = False  # expert E-1 never gets a token
 
@@ -120,6 +123,11 @@ def config(case: Case, world: int) -> dict:
 def client_optimizer(case: Case, net: torch.nn.Module):
     if case.opt == "adam":
         return None
+    if case.opt == "sgd1":
+        return torch.optim.SGD(net.parameters(), lr=LR)
+    if case.opt == "adamw1":
+        return torch.optim.AdamW(net.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-4,
+                                 weight_decay=0.0)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(net.parameters()), "name": "all"})
     return torch.optim.SGD(groups, lr=LR)
@@ -139,7 +147,7 @@ class Reference:
         self.net = Net(1, case.k, case.drop)
         self.net.load_state_dict(state)
         params = list(self.net.parameters())
-        self.opt = torch.optim.SGD(params, lr=LR) if case.opt == "sgd" else \
+        self.opt = torch.optim.SGD(params, lr=LR) if case.opt.startswith("sgd") else \
             torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-4, weight_decay=0.0)
         self.norm = 0.0
         self.counts = torch.zeros(E, dtype=torch.long)  # tokens routed to each expert
