@@ -464,6 +464,11 @@ class _WatchedParameters(dict):
         super().__init__(params)
         self._coordinator = weakref.ref(coordinator)
 
+    def __reduce__(self):
+        # a copy of the module (deepcopy, pickle) gets a plain dict: the watch is this
+        # engine's, and a weak reference does not pickle
+        return (dict, (dict(self),))
+
     def __getitem__(self, key: str):
         p = super().__getitem__(key)
         if p is not None and getattr(p, "ds_status", None) in _NOT_GATHERED:
