@@ -37,13 +37,10 @@ def stage0_full(strategy, param: torch.Tensor, what: str, optimizer=None,
 def zero_full(strategy, param: torch.Tensor, what: str, optimizer=None,
               key: str | None = None) -> torch.Tensor | None:
     """``what`` of ``param`` at ZeRO stages 1-3, all-gathered from the shards."""
-    i = _index(strategy, param)
-    k = next((k for k, g in enumerate(strategy.groups) if i in g.flat.params), None)
-    if k is None:
+    where = _locate(strategy, param)
+    if where is None:
         return None  # frozen: no master, gradient or state
-    flat = strategy.groups[k].flat
-    j = flat.params.index(i)
-    off, n = flat.offsets[j], flat.numels[j]
+    k, off, n = where
     shard: Any
     if what == "param":
         shard = strategy.stepper.step_tensors[k]
@@ -57,6 +54,18 @@ def zero_full(strategy, param: torch.Tensor, what: str, optimizer=None,
             return shard
     whole = _gather(shard.detach(), strategy.group, strategy.world)
     return whole[off:off + n].float().view(getattr(param, "ds_shape", None) or param.shape)
+
+
+def _locate(strategy, param: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(flat group, offset, numel)`` of ``param`` in a ZeRO strategy's groups; ``None``
+    for a frozen one (in no group)."""
+    i = _index(strategy, param)
+    k = next((k for k, g in enumerate(strategy.groups) if i in g.flat.params), None)
+    if k is None:
+        return None
+    flat = strategy.groups[k].flat
+    j = flat.params.index(i)
+    return k, flat.offsets[j], flat.numels[j]
 
 
 def _gather(shard: torch.Tensor, group, world: int) -> torch.Tensor:
@@ -192,15 +201,13 @@ class ParamFragments:
 def _piece(strategy, param: torch.Tensor) -> tuple[int, slice, slice]:
     """Where this rank holds part of ``param``: its flat group, the part as a slice of the
     flattened parameter and as a slice of the group's shard (empty when it holds none)."""
-    i = _index(strategy, param)
-    k = next((k for k, g in enumerate(strategy.groups) if i in g.flat.params), None)
-    if k is None:
+    where = _locate(strategy, param)
+    if where is None:
         raise UsageError("the parameter is frozen: it has no master, gradient or optimizer "
                          "state to set", where="safe_set_*",
                          hint="pass a parameter that requires grad")
+    k, off, n = where
     g = strategy.groups[k]
-    j = g.flat.params.index(i)
-    off, n = g.flat.offsets[j], g.flat.numels[j]
     lo, hi = max(off, g.lo), min(off + n, g.hi)
     if hi <= lo:
         return k, slice(0, 0), slice(0, 0)
