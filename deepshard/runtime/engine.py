@@ -443,8 +443,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         unit is released at the end of backward anyway."""
         coordinator = getattr(self.strategy, "coordinator", None)
         if coordinator is not None:
-            for unit in coordinator.units:
-                unit.release()
+            coordinator.release_all()
 
     def destroy(self) -> None:
         """DeepSpeed's teardown: unregister the engine's gradient and parameter hooks and

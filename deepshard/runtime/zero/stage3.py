@@ -232,7 +232,8 @@ class ParamCoordinator:
                     lambda m, args, kwargs, out, u=unit: self._post_forward(
                         u, (args, kwargs), out), with_kwargs=True))
         self._forwards = 0  # numbers each forward of a unit, for its backward's bookkeeping
-        # groups gathered because a forward read their parameters outside their unit
+        # groups gathered because a forward read their parameters outside their unit, held
+        # (``FlatGroup.holds``) until backward has their gradients
         self._borrowed: dict[int, FlatGroup] = {}
         self._watched: list[torch.nn.Module] = []
         gathered_groups = {id(g) for u in self.units for g in (*u.groups, *u.frozen)}
@@ -268,9 +269,7 @@ class ParamCoordinator:
         if root.groups or root.frozen:
             self._post_forward(root, inputs, out)
         if not torch.is_grad_enabled():  # no backward will let them go
-            for g in self._borrowed.values():
-                g.release()
-            self._borrowed.clear()
+            self._give_back()
 
     @torch.compiler.disable
     def _pre_forward(self, unit: Unit, inputs) -> None:
@@ -311,7 +310,7 @@ class ParamCoordinator:
                 unit.pending_grads = len(unit.groups)
                 if self._reused_soon(unit):
                     return
-        self._release_unit(unit)
+        unit.release()
 
     def _reused_soon(self, unit: Unit) -> bool:
         """Whether a unit whose forward (with grad) just ended stays gathered for its
@@ -341,13 +340,16 @@ class ParamCoordinator:
         if group is None or (self._entered is None and not _in_backward()):
             return
         group.gather()
-        self._borrowed[id(group)] = group
+        if id(group) not in self._borrowed:  # held: its unit's release leaves it
+            group.holds += 1
+            self._borrowed[id(group)] = group
 
-    def _release_unit(self, unit: Unit) -> None:
-        """Release a unit after its forward, except groups a forward borrowed."""
-        for g in (*unit.groups, *unit.frozen):
-            if id(g) not in self._borrowed:
-                g.release()
+    def _give_back(self, group: FlatGroup | None = None) -> None:
+        """Stop holding ``group`` (every borrowed group when ``None``) and release it."""
+        for g in [group] if group is not None else list(self._borrowed.values()):
+            if self._borrowed.pop(id(g), None) is not None:
+                g.holds -= 1
+            g.release()
 
     # backward --------------------------------------------------------------------------
     @torch.compiler.disable
@@ -386,18 +388,16 @@ class ParamCoordinator:
         unit = self.units[u]
         # a group whose gradients have all accumulated is not read again by this backward
         # (the root's head is let go at the start of backward, its embedding at the end)
-        group = unit.groups[self._position[group_index]]
-        self._borrowed.pop(id(group), None)
-        group.release()
+        self._give_back(unit.groups[self._position[group_index]])
         unit.pending_grads -= 1
         if unit.pending_grads <= 0:
             unit.release_frozen_if_done()
 
     def end_backward(self) -> None:
         """After a backward: nothing stays gathered; the first pass fixes the order."""
+        self._give_back()
         for unit in self.units:
             unit.reset()
-        self._borrowed.clear()
         if self.trace and self._recording:
             self._recording = False
             after, total = [], 0
@@ -406,6 +406,12 @@ class ParamCoordinator:
                 total += self.units[index].numel
             self._after = after[::-1]
         self._cursor = len(self.trace)
+
+    def release_all(self) -> None:
+        """Release every unit, borrowed groups included (``empty_partition_cache``)."""
+        self._give_back()
+        for unit in self.units:
+            unit.release()
 
     def begin_forward(self) -> None:
         """Before a forward: prefetching follows the recorded order from its start."""
