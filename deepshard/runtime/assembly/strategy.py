@@ -44,6 +44,7 @@ def build_strategy(cfg, spec: ZeroSpec, module: torch.nn.Module, client, model_p
     members = group_members(cfg, client, source, params, names, replaced or {})
     strategy, steps = plain_strategy(spec, module, names, params, members, group, world, rank,
                                      comm)
+    strategy.optimizer_groups = _source_names(module, source)
     optimizer = make_optimizer(cfg, client, source, steps, group)
     if not communicates_in_step(optimizer):
         return strategy, optimizer
@@ -52,6 +53,14 @@ def build_strategy(cfg, spec: ZeroSpec, module: torch.nn.Module, client, model_p
     assert isinstance(strategy, Stage0Strategy)
     return CompressedStage0Strategy(strategy.buckets, strategy.masters, names,
                                     optimizer), optimizer
+
+
+def _source_names(module: torch.nn.Module, source) -> tuple[tuple[str, ...], ...]:
+    """The module names of each source group's tensors, frozen ones included (tensors
+    that are not the module's parameters are left out)."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return tuple(tuple(name_of[id(p)] for p in (g["params"] if not torch.is_tensor(
+        g["params"]) else [g["params"]]) if id(p) in name_of) for g in source)
 
 
 def _compressed_zero(spec: ZeroSpec, zero, optimizer) -> DataParallelStrategy:

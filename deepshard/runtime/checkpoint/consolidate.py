@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from deepshard.errors import UsageError
+from deepshard.runtime.checkpoint import ds_files, from_deepspeed
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint.by_name import in_order, read_by_name
 from deepshard.runtime.checkpoint.model_parallel import consolidate
@@ -30,6 +31,9 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
     Raises:
         UsageError: no complete checkpoint (or no ``tag``) in ``checkpoint_dir``.
     """
+    ds_tag = ds_files.find_tag(checkpoint_dir, tag)
+    if ds_tag is not None:
+        return _fp32(from_deepspeed.consolidated(ds_tag))
     manifest = fmt.resolve_tag(checkpoint_dir, tag)
     if manifest is None:
         raise UsageError("no complete checkpoint", where=str(checkpoint_dir),
@@ -40,9 +44,12 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike,
         values = consolidate(tag_dir, manifest)
     else:
         values = read_by_name(tag_dir, manifest, shared).values
-    ordered = in_order(values, expert_order(shared.get("state_names") or (), values))
+    return _fp32(in_order(values, expert_order(shared.get("state_names") or (), values)))
+
+
+def _fp32(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value.float() if torch.is_floating_point(value) else value
-            for name, value in ordered.items()}
+            for name, value in state.items()}
 
 
 

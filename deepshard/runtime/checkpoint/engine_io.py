@@ -24,6 +24,7 @@ from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import UsageAssertionError, UsageError, UsageValueError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position
+from deepshard.runtime.checkpoint import ds_files, from_deepspeed
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint import model_parallel as mp
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, aliases, read_by_name
@@ -187,6 +188,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                     load_optimizer_states=True, load_lr_scheduler_states=True,
                     load_module_only=False):
     """``engine.load_checkpoint`` (see there)."""
+    ds_tag = ds_files.find_tag(load_dir, None if tag is None else str(tag))
+    if ds_tag is not None:
+        return _load_deepspeed(engine, ds_tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
     manifest = fmt.resolve_tag(load_dir, None if tag is None else fmt.check_tag(tag))
     if manifest is None:
         if engine.global_rank == 0:
@@ -209,6 +214,30 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     return str(path), shared["client_state"]
 
 
+def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool):
+    """A DeepSpeed checkpoint (:mod:`.from_deepspeed`) loaded as deepshard's own are;
+    the client state returned is what DeepSpeed's load returns."""
+    if engine.topology is not None:
+        raise UsageError("a DeepSpeed checkpoint loads into a data-parallel job only here",
+                         where=str(path),
+                         hint="convert it to a universal checkpoint (python -m deepspeed."
+                              "checkpoint.ds_to_universal) and load that with "
+                              "checkpoint.load_universal")
+    loaded = from_deepspeed.read(path, engine.strategy.optimizer_groups,
+                                 frozenset(frozen_names(engine.module)))
+    load_optimizer = load_optimizer_states and not load_module_only
+    with engine.strategy.materialized(engine.optimizer):
+        _restore_model(engine, loaded.by_name, loaded.shared, load_module_strict=strict,
+                       load_optimizer=load_optimizer, manifest=loaded.manifest, path=path)
+    if not load_module_only:
+        _restore_schedule(engine, path, loaded.shared, load_lr_scheduler_states)
+    engine.strategy.zero_grad()
+    engine.barrier()
+    return str(path), from_deepspeed.client_state(loaded.top, load_optimizer,
+                                                  load_lr_scheduler_states)
+
+
 def _read(engine, path: Path, manifest: fmt.Manifest, shared: dict) -> ByName:
     """This rank's part of the checkpoint by name (all of it where the rank keeps all)."""
     topology = engine.topology
@@ -224,8 +253,8 @@ def _read(engine, path: Path, manifest: fmt.Manifest, shared: dict) -> ByName:
     return read_by_name(path, manifest, shared, need=need)
 
 
-def _restore_model(engine, by_name: ByName, shared: dict, strict: bool, load_optimizer: bool,
-                   manifest: fmt.Manifest, path: Path) -> None:
+def _restore_model(engine, by_name: ByName, shared: dict, load_module_strict: bool,
+                   load_optimizer: bool, manifest: fmt.Manifest, path: Path) -> None:
     module, strategy = engine.module, engine.strategy
     want = set(module.state_dict())
     owned = strategy.owned_names(module)
@@ -235,7 +264,7 @@ def _restore_model(engine, by_name: ByName, shared: dict, strict: bool, load_opt
     missing = ((want - owned) - by_name.present) | strategy.restore(
         engine.optimizer, by_name, load_optimizer, saved_groups)
     unexpected = by_name.present - want - strategy.entry_names()
-    check_missing(module, missing, unexpected, strict, manifest, path)
+    check_missing(module, missing, unexpected, load_module_strict, manifest, path)
 
 
 def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:
@@ -250,8 +279,10 @@ def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:
 def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool) -> None:
     if load_lr_scheduler and engine.lr_scheduler and shared["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(shared["lr_scheduler"])
-    if engine.loss_scaler and shared["loss_scaler"]:
-        engine.loss_scaler.load_state_dict(shared["loss_scaler"])
+    saved_scale = shared["loss_scaler"]
+    if engine.loss_scaler and saved_scale and \
+            set(engine.loss_scaler.state_dict()) <= set(saved_scale):
+        engine.loss_scaler.load_state_dict(saved_scale)
     counters = dict(shared["counters"])
     # a resumed job opens a fresh accumulation window, also at another world size or
     # gradient_accumulation_steps (no partial gradient is saved; DeepSpeed restarts its

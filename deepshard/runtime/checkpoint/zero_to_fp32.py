@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from deepshard.errors import EXIT_USAGE, UsageError, UsageValueError, render
+from deepshard.runtime.checkpoint import ds_files, from_deepspeed
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint.consolidate import get_fp32_state_dict
 
@@ -67,6 +68,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike,
 
 
 def _frozen_names(checkpoint_dir: Path, tag: str | None) -> set[str]:
+    ds_tag = ds_files.find_tag(checkpoint_dir, tag)
+    if ds_tag is not None:
+        return from_deepspeed.frozen_names(ds_tag)
     manifest = fmt.resolve_tag(checkpoint_dir, tag)
     if manifest is None or manifest.frozen_excluded:  # saved without them already
         return set()
@@ -183,6 +187,14 @@ def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
             checkpoint (its optimizer state is in :func:`get_model_state_file`, as
             DeepSpeed's is in its model states file).
     """
+    ds_tag = _deepspeed_tag(checkpoint_dir)
+    if ds_tag is not None:
+        found = ds_files.files(ds_tag)
+        if not found.optim:
+            raise CheckpointFileNotFoundError(
+                "a ZeRO stage 0 checkpoint has no per-rank optimizer files",
+                where=str(ds_tag), hint=f"the optimizer state is in {ds_files.model_file()}")
+        return [str(p) for p in found.optim]
     tag_dir, manifest = _tag_dir(checkpoint_dir)
     if manifest.zero_stage == 0:
         raise CheckpointFileNotFoundError(
@@ -204,8 +216,19 @@ def get_model_state_file(checkpoint_dir: str | os.PathLike, zero_stage: int) -> 
     if zero_stage not in (0, 1, 2, 3):
         raise UsageValueError(f"zero_stage {zero_stage!r} is not a ZeRO stage",
                               where="get_model_state_file", hint="pass 0, 1, 2 or 3")
+    ds_tag = _deepspeed_tag(checkpoint_dir)
+    if ds_tag is not None:
+        return str(ds_files.files(ds_tag).model[0])
     tag_dir, _ = _tag_dir(checkpoint_dir)
     return _existing(tag_dir / fmt.SHARED_FILE)
+
+
+def _deepspeed_tag(checkpoint_dir: str | os.PathLike) -> Path | None:
+    """A DeepSpeed tag directory given, or named by ``latest`` in the directory given."""
+    path = Path(checkpoint_dir)
+    if path.is_dir() and ds_files.is_deepspeed_tag(path):
+        return path
+    return ds_files.find_tag(path, None)
 
 
 # -- output files ------------------------------------------------------------------------

@@ -37,6 +37,10 @@ class DataParallelStrategy(ABC):
         names: their names in the module.
         group: the data-parallel process group (``None``: the default group).
         world: its size.
+        optimizer_groups: the names of the parameters of each of the user's optimizer
+            param groups, in the user's order, frozen ones included (what a stage 0
+            DeepSpeed checkpoint's optimizer positions refer to); ``None`` where not
+            known.
     """
 
     stage: int
@@ -44,6 +48,7 @@ class DataParallelStrategy(ABC):
     names: tuple[str, ...]
     group: dist.ProcessGroup | None
     world: int
+    optimizer_groups: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def partitions_params(self) -> bool:

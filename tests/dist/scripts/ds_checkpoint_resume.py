@@ -1,0 +1,80 @@
+"""Loads DeepSpeed 0.19.8's checkpoints (``tests/data/deepspeed_checkpoints``) into
+deepshard and continues them; reports per rank as ``RESULT <json>``.
+
+``resume <case> <stage> [<case> <stage> ...]``: for each fixture ``case`` (written at
+ZeRO stage s on 2 ranks), a deepshard engine at ``stage`` on this world loads it, checks
+the fp32 weights equal DeepSpeed's at the save, then trains the same 3 global batches
+DeepSpeed trained after its save; reports the largest difference from DeepSpeed's
+weights after each step, the learning rates, the counters and the client state.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "tests" / "data" / "deepspeed_checkpoints"
+sys.path.insert(0, str(DATA))
+
+import ds_fixture_model as fm  # noqa: E402
+
+import deepshard  # noqa: E402
+from deepshard.runtime.tensor_fragment import safe_get_full_fp32_param  # noqa: E402
+
+
+def fp32_weights(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's full fp32 value (masters where the job keeps them)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        value = safe_get_full_fp32_param(p) if p.requires_grad else None
+        if value is None:
+            from deepshard.runtime.zero.init import GatheredParameters
+
+            with GatheredParameters([p]):
+                value = p.detach().clone()
+        out[name] = value.float().cpu()
+    return out
+
+
+def diff(got: dict, want: dict) -> float:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def resume(case: str, stage: int) -> dict:
+    expected = torch.load(DATA / case / "expected.pt", weights_only=False)
+    deepshard.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(123)  # other initial values than DeepSpeed's: the load must set them
+    model = fm.Net()
+    cfg = fm.config(stage, expected["bf16"])
+    engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
+    path, client = engine.load_checkpoint(str(DATA / case / "ckpt"))
+    out = {"path": Path(path).name, "epoch": client.get("epoch"),
+           "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+           "at_save": diff(fp32_weights(engine), expected["at_save"]), "after": [],
+           "lrs": [], "want_lrs": expected["lrs"]}
+    for i, step in enumerate(range(fm.SAVE_AT, fm.SAVE_AT + fm.CONTINUE)):
+        fm.train_step(engine, step, rank, world)
+        out["after"].append(diff(fp32_weights(engine), expected["after"][i]))
+        out["lrs"].append(engine.get_lr()[0])
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return out
+
+
+def main() -> None:
+    args = sys.argv[sys.argv.index("resume") + 1:]
+    results = {}
+    for case, stage in zip(args[::2], args[1::2], strict=True):
+        results[f"{case}@{stage}"] = resume(case, int(stage))
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "results": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
