@@ -18,7 +18,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from deepshard import contract
 from deepshard.compat import paths
@@ -74,6 +74,21 @@ class AliasLoader:
         module.__spec__ = self._spec
         if hasattr(module, "__path__"):
             _submodules_as_attributes(module, alias)
+
+    def get_code(self, fullname: str) -> Any:
+        """The deepshard module's code, for ``python -m deepspeed.X`` (runpy runs it as
+        ``__main__``)."""
+        del fullname
+        spec = importlib.util.find_spec(self.real)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+            return None
+        return spec.loader.get_code(self.real)
+
+    def is_package(self, fullname: str) -> bool:
+        """Whether the deepshard module is a package (runpy asks)."""
+        del fullname
+        spec = importlib.util.find_spec(self.real)
+        return spec is not None and spec.submodule_search_locations is not None
 
 
 class BuiltLoader:

@@ -49,6 +49,7 @@ MODULES: dict[str, str] = {
     "deepspeed.utils.init_on_device": "deepshard.runtime.on_device",
     "deepspeed.ops.op_builder": "deepshard.runtime.op_builders",
     "deepspeed.checkpoint.utils": "deepshard.runtime.checkpoint.clone",
+    "deepspeed.checkpoint.ds_to_universal": "deepshard.runtime.checkpoint.universal",
     "deepspeed.moe.utils": "deepshard.runtime.parallel.expert_params",
     "deepspeed.profiling.flops_profiler": "deepshard.runtime.flops_profiler_api",
     "deepspeed.profiling.flops_profiler.profiler": "deepshard.runtime.flops_profiler_api",

@@ -24,7 +24,7 @@ from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import UsageAssertionError, UsageError, UsageValueError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position
-from deepshard.runtime.checkpoint import ds_files, from_deepspeed
+from deepshard.runtime.checkpoint import ds_files, from_deepspeed, universal
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint import model_parallel as mp
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, aliases, read_by_name
@@ -188,7 +188,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                     load_optimizer_states=True, load_lr_scheduler_states=True,
                     load_module_only=False):
     """``engine.load_checkpoint`` (see there)."""
-    ds_tag = ds_files.find_tag(load_dir, None if tag is None else str(tag))
+    ds_tag = None
+    if engine._config.checkpoint.load_universal:
+        ds_tag = universal.find_tag(load_dir, None if tag is None else str(tag))
+    ds_tag = ds_tag or ds_files.find_tag(load_dir, None if tag is None else str(tag))
     if ds_tag is not None:
         return _load_deepspeed(engine, ds_tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
@@ -216,16 +219,21 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
 
 def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_only: bool):
-    """A DeepSpeed checkpoint (:mod:`.from_deepspeed`) loaded as deepshard's own are;
-    the client state returned is what DeepSpeed's load returns."""
+    """A DeepSpeed checkpoint (:mod:`.from_deepspeed`) or a universal one
+    (:mod:`.universal`) loaded as deepshard's own are; the client state returned is what
+    DeepSpeed's load returns."""
     if engine.topology is not None:
-        raise UsageError("a DeepSpeed checkpoint loads into a data-parallel job only here",
+        raise UsageError("a DeepSpeed or universal checkpoint loads into a data-parallel "
+                         "job only (no pipeline or tensor parallelism) for now",
                          where=str(path),
-                         hint="convert it to a universal checkpoint (python -m deepspeed."
-                              "checkpoint.ds_to_universal) and load that with "
-                              "checkpoint.load_universal")
-    loaded = from_deepspeed.read(path, engine.strategy.optimizer_groups,
-                                 frozenset(frozen_names(engine.module)))
+                         hint="load it into a data-parallel job, save it with deepshard, "
+                              "and load that one: deepshard reshards its own checkpoints "
+                              "into any pipeline / tensor layout")
+    if universal.is_universal_tag(path):
+        loaded = universal.read(path)
+    else:
+        loaded = from_deepspeed.read(path, engine.strategy.optimizer_groups,
+                                     frozenset(frozen_names(engine.module)))
     load_optimizer = load_optimizer_states and not load_module_only
     with engine.strategy.materialized(engine.optimizer):
         _restore_model(engine, loaded.by_name, loaded.shared, load_module_strict=strict,

@@ -80,11 +80,20 @@ def read(tag_dir: Path, position_names: Sequence[Sequence[str]] | None = None,
         for name, value in module.items():
             out.values.setdefault(name, value)
         groups = _param_groups(optims[0])
-        scaler = _scaler(optims[0].get("loss_scaler"), optims[0])
+        scaler = scaler_state(optims[0].get("loss_scaler"), optims[0])
     for alias, canonical in (top.get("shared_params") or {}).items():
         if canonical in out.values:
             out.values[alias] = out.values[canonical]
     out.present.update(out.values)
+    return loaded(tag_dir, top, out, stage, groups, scaler, found)
+
+
+def loaded(tag_dir: Path, top: Mapping[str, Any], out: ByName, stage: int,
+           groups: list[dict], scaler: dict | None, found: ds_files.Files) -> Loaded:
+    """:class:`Loaded` from what was read: the model file's top level ``top``, the
+    values and state by name, the stage, the optimizer's param groups and loss scale."""
+    world = int(top.get("dp_world_size") or 1)
+    module = top.get("module") or {}
     manifest = fmt.Manifest(
         tag=tag_dir.name, world_size=world, zero_stage=stage,
         param_dtype=str(_param_dtype(module)), master_dtype="torch.float32",
@@ -104,7 +113,7 @@ def read(tag_dir: Path, position_names: Sequence[Sequence[str]] | None = None,
                      "global_samples": int(top.get("global_samples", 0))},
         "data_position": None,
     }
-    return Loaded(manifest, shared, out, top)
+    return Loaded(manifest, shared, out, dict(top))
 
 
 def consolidated(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -209,7 +218,7 @@ def _stage0(top: Mapping, module: dict[str, torch.Tensor],
                            if torch.is_tensor(v) and v.dim() > 0}
         out.scalars[name] = {k: v for k, v in entry.items()
                              if not (torch.is_tensor(v) and v.dim() > 0)}
-    return out, groups, _scaler(opt.get("loss_scaler"), opt)
+    return out, groups, scaler_state(opt.get("loss_scaler"), opt)
 
 
 def _stage0_names(position_names: Sequence[Sequence[str]], frozen: frozenset[str],
@@ -361,7 +370,7 @@ def _joined(pieces: Sequence[torch.Tensor], numel: int, shape: Sequence[int]) ->
     return torch.cat([p.reshape(-1) for p in pieces])[:numel].view(tuple(shape))
 
 
-def _scaler(scaler: Any, holder: Mapping) -> dict | None:
+def scaler_state(scaler: Any, holder: Mapping) -> dict | None:
     """DeepSpeed's loss scaler state (its object's attributes, or stage 0's keys) in
     deepshard's loss scaler ``state_dict`` form."""
     source = vars(scaler) if scaler is not None and not isinstance(scaler, Mapping) \

@@ -4,11 +4,14 @@ Run from a side virtual environment holding DeepSpeed (not deepshard's)::
 
     DS_ACCELERATOR=cpu /path/to/dsvenv/bin/python tests/data/deepspeed_checkpoints/make_fixtures.py
 
-For each case (ZeRO stage 0-3, fp32 and bf16, ...) it trains the tiny model of
+For each case (ZeRO stage 0-3, fp32 and bf16) it trains the tiny model of
 ``ds_fixture_model.py`` on 2 gloo ranks for 2 steps, saves a checkpoint (``client_state``
 ``{"epoch": 3}``), then continues 3 steps and records beside the checkpoint what DeepSpeed
 reached (``expected.pt``: the fp32 weights at the save and after each continued step, the
-losses, the learning rates). ``version.json`` records the DeepSpeed and torch versions.
+losses, the learning rates). ``universal_zero2`` is ``zero2_fp32`` converted by DeepSpeed's
+``ds_to_universal`` and resumed by DeepSpeed on one rank (``deepspeed_universal_resume.pt``;
+its right continuation is ``zero2_fp32/expected.pt``). ``version.json`` records the
+DeepSpeed and torch versions.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,14 +86,61 @@ def _worker(rank: int, case: str, stage: int, bf16: bool, out: str, port: int) -
     deepspeed.comm.destroy_process_group()
 
 
+def _universal_worker(rank: int, out: str, port: int) -> None:
+    """DeepSpeed's own resume of the universal folder on one rank (ZeRO-2): 3 steps, from
+    a model initialised from another seed than the saving job's. DeepSpeed 0.19.8 leaves
+    the frozen layer at that initial value (its universal load skips frozen parameters),
+    so this record differs from ``zero2_fp32/expected.pt``: kept to show it."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import deepspeed
+    import deepspeed.comm.comm
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.comm.comm.cdb.shm_vector_kernel_level = 0
+    torch.manual_seed(1)
+    model = fm.Net()
+    cfg = {**fm.config(2, False), "checkpoint": {"load_universal": True}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=cfg)
+    engine.load_checkpoint(str(Path(out) / "ckpt"))
+    at_save = _fp32_weights(engine, 2)
+    after, lrs, losses = [], [], []
+    for step in range(fm.SAVE_AT, fm.SAVE_AT + fm.CONTINUE):
+        losses.append(fm.train_step(engine, step, 0, 1))
+        after.append(_fp32_weights(engine, 2))
+        lrs.append(engine.get_lr()[0])
+    torch.save({"at_save": at_save, "after": after, "losses": losses, "lrs": lrs,
+                "world_size": 1, "stage": 2, "bf16": False},
+               Path(out) / "deepspeed_universal_resume.pt")
+    deepspeed.comm.destroy_process_group()
+
+
+def _universal(port: int) -> None:
+    """``universal_zero2``: zero2_fp32's checkpoint through DeepSpeed's ds_to_universal
+    (which needs --inject_missing_state at ZeRO-2), resumed by DeepSpeed on 1 rank."""
+    out = HERE / "universal_zero2"
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "ckpt").mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder", str(HERE / "zero2_fp32" / "ckpt" / "global_step2"),
+                    "--output_folder", str(out / "ckpt" / "global_step2_universal"),
+                    "--inject_missing_state", "--num_extract_workers", "1",
+                    "--num_merge_workers", "1"], check=True, stdout=subprocess.DEVNULL)
+    mp.spawn(_universal_worker, args=(str(out), port), nprocs=1)
+
+
 CASES = {f"zero{s}_{p}": (s, p == "bf16") for s in range(4) for p in ("fp32", "bf16")}
 
 
 def main() -> None:
     import deepspeed
 
-    only = sys.argv[1:] or list(CASES)
+    only = sys.argv[1:] or [*CASES, "universal_zero2"]
     for i, case in enumerate(only):
+        if case == "universal_zero2":
+            _universal(29700)
+            continue
         stage, bf16 = CASES[case]
         out = HERE / case
         shutil.rmtree(out, ignore_errors=True)

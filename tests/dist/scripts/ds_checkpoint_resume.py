@@ -1,11 +1,15 @@
 """Loads DeepSpeed 0.19.8's checkpoints (``tests/data/deepspeed_checkpoints``) into
 deepshard and continues them; reports per rank as ``RESULT <json>``.
 
-``resume <case> <stage> [<case> <stage> ...]``: for each fixture ``case`` (written at
+``resume <scratch dir> <case> <stage> [<case> <stage> ...]``: for each fixture ``case`` (written at
 ZeRO stage s on 2 ranks), a deepshard engine at ``stage`` on this world loads it, checks
 the fp32 weights equal DeepSpeed's at the save, then trains the same 3 global batches
 DeepSpeed trained after its save; reports the largest difference from DeepSpeed's
 weights after each step, the learning rates, the counters and the client state.
+``universal_zero2`` (DeepSpeed's ``ds_to_universal`` of ``zero2_fp32``) and
+``ours:<case>`` (``<case>`` converted by deepshard's ``ds_to_universal`` on rank 0 into a
+temporary folder) load with ``checkpoint.load_universal``; both continue as
+``zero2_fp32`` / ``<case>`` did in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -46,17 +50,37 @@ def diff(got: dict, want: dict) -> float:
     return max(float((got[k] - want[k]).abs().max()) for k in want)
 
 
-def resume(case: str, stage: int) -> dict:
-    expected = torch.load(DATA / case / "expected.pt", weights_only=False)
+def _source(case: str, scratch: Path) -> tuple[Path, str, bool]:
+    """The save directory to load, the case whose DeepSpeed record it continues, and
+    whether it is universal."""
+    if case == "universal_zero2":
+        return DATA / case / "ckpt", "zero2_fp32", True
+    if case.startswith("ours:"):
+        from deepshard.runtime.checkpoint.universal import convert
+
+        base = case.split(":", 1)[1]
+        root = scratch / base
+        if dist.get_rank() == 0:
+            convert(DATA / base / "ckpt" / "global_step2", root / "global_step2_universal")
+        dist.barrier()
+        return root, base, True
+    return DATA / case / "ckpt", case, False
+
+
+def resume(case: str, stage: int, scratch: Path) -> dict:
     deepshard.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    load_dir, base, universal = _source(case, scratch)
+    expected = torch.load(DATA / base / "expected.pt", weights_only=False)
     torch.manual_seed(123)  # other initial values than DeepSpeed's: the load must set them
     model = fm.Net()
     cfg = fm.config(stage, expected["bf16"])
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg)
-    path, client = engine.load_checkpoint(str(DATA / case / "ckpt"))
-    out = {"path": Path(path).name, "epoch": client.get("epoch"),
+    path, client = engine.load_checkpoint(str(load_dir))
+    out = {"path": Path(path).name.removesuffix("_universal"), "epoch": client.get("epoch"),
            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
            "at_save": diff(fp32_weights(engine), expected["at_save"]), "after": [],
            "lrs": [], "want_lrs": expected["lrs"]}
@@ -69,10 +93,11 @@ def resume(case: str, stage: int) -> dict:
 
 
 def main() -> None:
-    args = sys.argv[sys.argv.index("resume") + 1:]
+    args = sys.argv[sys.argv.index("resume") + 2:]
+    scratch = Path(sys.argv[sys.argv.index("resume") + 1])
     results = {}
     for case, stage in zip(args[::2], args[1::2], strict=True):
-        results[f"{case}@{stage}"] = resume(case, int(stage))
+        results[f"{case}@{stage}"] = resume(case, int(stage), scratch)
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "results": results}), flush=True)
 
 
