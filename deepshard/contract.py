@@ -29,6 +29,10 @@ DEEPSHARD_VERSION = "0.1.0"
 """deepshard's own version (``deepshard.__version__`` outside the DeepSpeed compat path, where
 ``deepspeed.__version__``, the same attribute, reads ``0.19.8+deepshard.<this>``)."""
 
+DEEPSPEED_VERSION = "0.19.8"
+"""The DeepSpeed release deepshard matches: the version the ``deepspeed`` distribution it
+presents carries, and the ``ds_version`` of the DeepSpeed-layout files it writes."""
+
 COMPAT_SUMMARY = "deepshard presenting itself as DeepSpeed (--deepspeed_compat)"
 """The ``Summary`` of the ``deepspeed`` distribution deepshard presents: how ``ds_report`` and
 ``ds-compat`` tell it from a real DeepSpeed without importing either."""

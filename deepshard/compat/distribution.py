@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from deepshard import contract
 
-DEEPSPEED_VERSION = "0.19.8"
+DEEPSPEED_VERSION = contract.DEEPSPEED_VERSION
 """The DeepSpeed release whose API and behaviour deepshard matches (``deepspeed.__version__``
 under the compat path, before the local label)."""
 

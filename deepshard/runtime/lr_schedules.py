@@ -84,13 +84,19 @@ class _DeepSpeedSchedule(LRScheduler):
             self.last_epoch = last_batch_iteration - 1
         super().step()
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state, plus DeepSpeed's ``last_batch_iteration`` (what DeepSpeed's
+        schedules load: a checkpoint deepshard wrote resumes in DeepSpeed)."""
+        return {**super().state_dict(), "last_batch_iteration": self.last_epoch}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our own ``state_dict()``, or a DeepSpeed one (``{'last_batch_iteration': n}``)."""
         if "last_epoch" not in state_dict and "last_batch_iteration" in state_dict:
             self.last_epoch = int(state_dict["last_batch_iteration"])
             self._last_lr = list(self.get_lr())
             return
-        super().load_state_dict(state_dict)
+        super().load_state_dict({k: v for k, v in state_dict.items()
+                                 if k != "last_batch_iteration"})
 
 
 class WarmupLR(_DeepSpeedSchedule):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from deepshard.contract import DEEPSHARD_VERSION
+from deepshard.contract import DEEPSHARD_VERSION, DEEPSPEED_VERSION
 from deepshard.errors import EXIT_USAGE, UsageError, render
 from deepshard.runtime.checkpoint import ds_files, from_deepspeed
 from deepshard.runtime.checkpoint import format as fmt
@@ -37,6 +37,8 @@ ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"
 CAT_DIM = "cat_dim"
+WRITTEN_VERSION = f"{DEEPSPEED_VERSION}+deepshard.{DEEPSHARD_VERSION}"
+"""``ds_version`` of the files written here: DeepSpeed's loader parses and checks it."""
 
 
 def is_universal_tag(tag_dir: Path) -> bool:
@@ -161,10 +163,18 @@ def convert(input_folder: str | os.PathLike, output_folder: str | os.PathLike,
         folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(lambda job: _save(*job), jobs))
+    step = next((sc["step"] for sc in by_name.scalars.values() if "step" in sc), None)
+    # DeepSpeed's stage 3 takes the step and hyperparameters from the optimizer state
+    common.setdefault("optimizer_state_dict", {
+        "state": {0: {"step": step}} if step is not None else {},
+        "param_groups": common["param_groups"]})
     _save(partial / ZERO / OPTIMIZER_STATE, common)
     for model in models:
         if isinstance(model, Path):
             shutil.copy2(model, partial / model.name)
+        elif common["zero_stage"] == 3:  # DeepSpeed's stage 3 looks for its own names
+            for rank in range(model["dp_world_size"]):
+                _save(partial / ds_files.zero3_model_file(rank), model)
         else:
             _save(partial / ds_files.model_file(), model)
     shutil.rmtree(out, ignore_errors=True)
@@ -188,8 +198,8 @@ def _common_from_deepspeed(src: Path, loaded: from_deepspeed.Loaded) -> dict:
     found = ds_files.files(src)
     groups = (loaded.shared.get("optimizer") or {}).get("param_groups") or []
     if not found.optim:
-        return {"zero_stage": 0, "param_groups": groups,
-                "loss_scaler": None, "dynamic_loss_scale": False}
+        return {"zero_stage": 0, "param_groups": groups, "clip_grad": 0.0, "overflow": False,
+                "dynamic_loss_scale": False, "ds_version": WRITTEN_VERSION}
     inner = ds_files.load(found.optim[0])["optimizer_state_dict"]
     common = {k: _plain(v) for k, v in inner.items()
               if k not in ("base_optimizer_state", "single_partition_of_fp32_groups",
@@ -197,7 +207,6 @@ def _common_from_deepspeed(src: Path, loaded: from_deepspeed.Loaded) -> dict:
                            "optimizer_state_dict")}
     common["param_groups"] = groups
     common.update(from_deepspeed.scaler_state(inner.get("loss_scaler"), inner) or {})
-    common["loss_scaler"] = None
     return common
 
 
@@ -232,12 +241,14 @@ def _from_deepshard(src: Path) -> tuple[ByName, dict, list]:
         "global_steps": counters.get("global_steps", manifest.global_steps),
         "global_samples": counters.get("global_samples", 0),
         "dp_world_size": manifest.world_size, "mp_world_size": 1,
-        "ds_version": f"deepshard {DEEPSHARD_VERSION}",
+        "ds_version": WRITTEN_VERSION,
         **dict(shared.get("client_state") or {}),
     }
     scale = shared.get("loss_scaler") or {}
-    common = {"zero_stage": manifest.zero_stage, "param_groups": groups,
-              "loss_scaler": None, "dynamic_loss_scale": "cur_iter" in scale, **scale}
+    # no "loss_scaler" object: DeepSpeed then keeps the one its config built
+    common = {"zero_stage": manifest.zero_stage, "param_groups": groups, "clip_grad": 0.0,
+              "overflow": False, "dynamic_loss_scale": "cur_iter" in scale,
+              "ds_version": WRITTEN_VERSION, **scale}
     return by_name, common, [model]
 
 

@@ -7,6 +7,8 @@ the fp32 weights equal DeepSpeed's at the save, then trains the same 3 global ba
 DeepSpeed trained after its save; reports the largest difference from DeepSpeed's
 weights after each step, the learning rates, the counters and the client state.
 ``universal_zero2`` (DeepSpeed's ``ds_to_universal`` of ``zero2_fp32``) and
+``train <out dir> <stage>``: deepshard's own run of the fixture model, saved, recorded
+and converted to universal (see :func:`train`), for DeepSpeed to resume.
 ``ours:<case>`` (``<case>`` converted by deepshard's ``ds_to_universal`` on rank 0 into a
 temporary folder) load with ``checkpoint.load_universal``; both continue as
 ``zero2_fp32`` / ``<case>`` did in DeepSpeed.
@@ -92,7 +94,38 @@ def resume(case: str, stage: int, scratch: Path) -> dict:
     return out
 
 
+def train(out: Path, stage: int) -> None:
+    """deepshard trains the fixture model from seed 0 at ``stage`` for the steps before the
+    save, saves its checkpoint (``out/ckpt``), records what DeepSpeed's fixtures record
+    (``out/expected.pt``) over 3 more steps, and converts the checkpoint to universal
+    (``out/universal/global_step2_universal``) on rank 0."""
+    from deepshard.runtime.checkpoint.universal import convert
+
+    deepshard.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = fm.Net()
+    engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=fm.config(stage, False))
+    for step in range(fm.SAVE_AT):
+        fm.train_step(engine, step, rank, world)
+    engine.save_checkpoint(str(out / "ckpt"), client_state={"epoch": 3})
+    at_save, after, lrs = fp32_weights(engine), [], []
+    for step in range(fm.SAVE_AT, fm.SAVE_AT + fm.CONTINUE):
+        fm.train_step(engine, step, rank, world)
+        after.append(fp32_weights(engine))
+        lrs.append(engine.get_lr()[0])
+    if rank == 0:
+        torch.save({"at_save": at_save, "after": after, "lrs": lrs}, out / "expected.pt")
+        convert(out / "ckpt" / "global_step2", out / "universal" / "global_step2_universal")
+    dist.barrier()
+
+
 def main() -> None:
+    if "train" in sys.argv:
+        at = sys.argv.index("train")
+        train(Path(sys.argv[at + 1]), int(sys.argv[at + 2]))
+        return
     args = sys.argv[sys.argv.index("resume") + 2:]
     scratch = Path(sys.argv[sys.argv.index("resume") + 1])
     results = {}
