@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT, run_ds
-from tests.integrations.test_hf_trainer import close, reference
+from tests.integrations.test_hf_trainer import (
+    DEEPSPEED_CHECKPOINT,
+    DEEPSPEED_RESUME,
+    close,
+    reference,
+)
 
 SCRIPTS = ROOT / "tests" / "integrations" / "scripts"
 DEEPSPEED = json.loads((ROOT / "tests" / "data" / "hf_native_deepspeed.json").read_text())
@@ -60,9 +66,13 @@ def trainer_job(tmp_path_factory) -> Path:
     evaluates, saves and resumes; a LoRA adapter at stage 3; an evaluation-only run with
     the config's optimizer and scheduler sections (transformers' inference deepspeed_init);
     ``torch_compile=True`` at stages 0-3 (Accelerate calls ``engine.compile()``: inductor at
-    stage 3, aot_eager, which traces the same graphs without generating code, below)."""
+    stage 3, aot_eager, which traces the same graphs without generating code, below); the
+    HF checkpoint DeepSpeed 0.19.8 wrote resumed."""
     out = tmp_path_factory.mktemp("hf_native_trainer")
-    cases = ["s2 --stage 2", "s3 --stage 3 --save_steps 3 --evaluate --save_model",
+    shutil.copytree(DEEPSPEED_CHECKPOINT / "checkpoint-2", out / "ds_checkpoint-2")
+    cases = ["s2 --stage 2",
+             f"dsresumed {DEEPSPEED_RESUME} --resume {{out}}/ds_checkpoint-2",
+             "s3 --stage 3 --save_steps 3 --evaluate --save_model",
              "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
              "lora --stage 3 --lora --save_steps 3 --save_model",
              "evalonly --stage 3 --eval_only --config_optim",
@@ -87,6 +97,16 @@ def test_trainer_torch_compile_at_every_stage(trainer_job, expected, stage):
     assert got["compiled"]
     assert close(got["losses"], expected["losses"]), (got["losses"], expected["losses"])
     assert close(got["grad_norms"], expected["grad_norms"])
+
+
+def test_trainer_resumes_deepspeeds_checkpoint(trainer_job):
+    """transformers' own DeepSpeed path, on deepshard, resumes the ``checkpoint-2/`` that
+    transformers + DeepSpeed 0.19.8 wrote: DeepSpeed's losses and grad norms follow."""
+    theirs = json.loads((DEEPSPEED_CHECKPOINT / "deepspeed.json").read_text())
+    resumed = read(trainer_job / "dsresumed")
+    assert resumed["steps"] == [3, 4]
+    assert close(resumed["losses"], theirs["losses"][2:]), (resumed, theirs)
+    assert close(resumed["grad_norms"], theirs["grad_norms"][2:]), (resumed, theirs)
 
 
 def test_trainer_checkpoints_resume_and_save_in_hf_format(trainer_job):

@@ -12,6 +12,7 @@ imports are most of a run's time on 2 cores.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ TRAINING = dict(micro=2, gas=2, world=2, steps=6, lr=1e-2, warmup=2, clip=0.5,
 COMMON = ("--micro", "2", "--gas", "2", "--steps", "6", "--lr", "1e-2", "--warmup", "2",
           "--clip", "0.5")
 RTOL = 1e-5
+DEEPSPEED_CHECKPOINT = ROOT / "tests" / "data" / "deepspeed_checkpoints" / "hf_trainer_zero2"
+DEEPSPEED_RESUME = "--stage 2 --gas 1 --steps 4 --warmup 1"
+"""The training that wrote the fixture (after COMMON: the script's defaults otherwise)."""
 
 
 def run_script(out: Path, *cases: str, world: int = 2, extra: tuple[str, ...] = ()) -> None:
@@ -42,9 +46,12 @@ def job(tmp_path_factory) -> Path:
     """Stages 0-3 (stage 3 with checkpoints every 3 steps, evaluation and an HF save),
     stage 3 resumed from its checkpoint-3, stage 3 with ``evaluate()`` before ``train()``, a
     LoRA adapter at stage 3 (checkpoints without the frozen base) and its resume, stage 2
-    with ``load_best_model_at_end``."""
+    with ``load_best_model_at_end``; and the HF Trainer checkpoint DeepSpeed 0.19.8 wrote
+    (``tests/data/deepspeed_checkpoints/hf_trainer_zero2``) resumed."""
     out = tmp_path_factory.mktemp("hf_trainer")
+    shutil.copytree(DEEPSPEED_CHECKPOINT / "checkpoint-2", out / "ds_checkpoint-2")
     run_script(out, "s0 --stage 0", "s1 --stage 1", "s2 --stage 2",
+               f"dsresumed {DEEPSPEED_RESUME} --resume {{out}}/ds_checkpoint-2",
                "s3 --stage 3 --save_steps 3 --evaluate --save_model",
                "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
                "s3evalfirst --stage 3 --eval_first",
@@ -143,6 +150,17 @@ def test_resume_continues_as_the_uninterrupted_run(job):
     whole, resumed = read(job, "s3"), read(job, "s3resumed")
     assert resumed["steps"] == [4, 5, 6]
     assert close(resumed["losses"], whole["losses"][3:]), (resumed, whole)
+
+
+def test_resume_from_deepspeeds_checkpoint_continues_as_deepspeed_did(job):
+    """A ``checkpoint-2/`` folder transformers + DeepSpeed 0.19.8 wrote (ZeRO-2, 2 ranks)
+    resumes under deepshard: steps 3-4 log DeepSpeed's own losses and grad norms."""
+    theirs = json.loads((DEEPSPEED_CHECKPOINT / "deepspeed.json").read_text())
+    resumed = read(job, "dsresumed")
+    assert resumed["steps"] == [3, 4]
+    assert close(resumed["losses"], theirs["losses"][2:]), (resumed, theirs)
+    assert close(resumed["grad_norms"], theirs["grad_norms"][2:]), (resumed, theirs)
+    assert resumed["lrs"] == pytest.approx(theirs["lrs"][2:], rel=1e-9)
 
 
 def test_resume_at_world_1_from_a_world_2_checkpoint(job):

@@ -10,7 +10,8 @@ For each case (ZeRO stage 0-3, fp32 and bf16) it trains the tiny model of
 reached (``expected.pt``: the fp32 weights at the save and after each continued step, the
 losses, the learning rates). ``universal_zero2`` is ``zero2_fp32`` converted by DeepSpeed's
 ``ds_to_universal`` and resumed by DeepSpeed on one rank (``deepspeed_universal_resume.pt``;
-its right continuation is ``zero2_fp32/expected.pt``). ``version.json`` records the
+its right continuation is ``zero2_fp32/expected.pt``). ``hf_trainer_zero2`` is an HF
+Trainer ``checkpoint-2/`` folder written with DeepSpeed. ``version.json`` records the
 DeepSpeed and torch versions.
 """
 
@@ -130,14 +131,40 @@ def _universal(port: int) -> None:
     mp.spawn(_universal_worker, args=(str(out), port), nprocs=1)
 
 
+def _hf_trainer() -> None:
+    """``hf_trainer_zero2``: the HF Trainer with DeepSpeed (ZeRO-2, 2 ranks, the tiny
+    Llama of ``tests/integrations``) trains 4 steps saving every 2; kept: ``checkpoint-2``
+    (without DeepSpeed's converter scripts) and the losses DeepSpeed logged
+    (``deepspeed.json``)."""
+    import tempfile
+
+    out = HERE / "hf_trainer_zero2"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    root = HERE.parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                        "2", str(root / "tests" / "integrations" / "scripts" /
+                                 "hf_trainer_train.py"),
+                        "--backend", "deepspeed", "--stage", "2", "--steps", "4",
+                        "--save_steps", "2", "--out_dir", tmp], check=True, cwd=root,
+                       stdout=subprocess.DEVNULL)
+        shutil.copytree(Path(tmp) / "run" / "checkpoint-2", out / "checkpoint-2",
+                        ignore=shutil.ignore_patterns("zero_to_*.py"))
+        shutil.copy(Path(tmp) / "rank0.json", out / "deepspeed.json")
+
+
 CASES = {f"zero{s}_{p}": (s, p == "bf16") for s in range(4) for p in ("fp32", "bf16")}
 
 
 def main() -> None:
     import deepspeed
 
-    only = sys.argv[1:] or [*CASES, "universal_zero2"]
+    only = sys.argv[1:] or [*CASES, "universal_zero2", "hf_trainer_zero2"]
     for i, case in enumerate(only):
+        if case == "hf_trainer_zero2":
+            _hf_trainer()
+            continue
         if case == "universal_zero2":
             _universal(29700)
             continue
@@ -148,8 +175,11 @@ def main() -> None:
         mp.spawn(_worker, args=(case, stage, bf16, str(out), 29600 + i), nprocs=WORLD)
         for script in out.glob("ckpt/*.py"):  # DeepSpeed's own converters: not fixtures
             script.unlink()
+    import transformers
+
     (HERE / "version.json").write_text(json.dumps(
-        {"deepspeed": deepspeed.__version__, "torch": torch.__version__}, indent=1) + "\n")
+        {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+         "transformers": transformers.__version__}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
