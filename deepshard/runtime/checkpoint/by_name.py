@@ -82,18 +82,29 @@ def _scatter(entry: Mapping, out: ByName, need: Needed | None) -> None:
                                    entry["shapes"], strict=True):
         out.present.add(name)
         start, end = max(off, lo), min(off + n, hi)
+        # a parameter wholly in this entry is a view of it (memory-mapped: nothing is
+        # allocated or read until used); one split over ranks is assembled
+        whole = start == off and end == off + n
         if need is None or name in need.values:
             values = out.values
-            if name not in values or values[name].shape != torch.Size(shape):
-                values[name] = torch.zeros(shape, dtype=torch.float32)
-            if start < end:
-                values[name].view(-1)[start - off:end - off] = \
-                    entry["values"][start - lo:end - lo]
+            if whole:
+                values[name] = entry["values"][start - lo:end - lo].view(shape)
+            else:
+                if name not in values or values[name].shape != torch.Size(shape):
+                    values[name] = torch.zeros(shape, dtype=torch.float32)
+                if start < end:
+                    values[name].view(-1)[start - off:end - off] = \
+                        entry["values"][start - lo:end - lo]
         if need is not None and name not in need.state:
             continue
         for key, shard in entry["state"].items():
-            full = out.state.setdefault(name, {}).setdefault(
-                key, torch.zeros(shape, dtype=shard.dtype))
+            if whole:
+                out.state.setdefault(name, {})[key] = shard[start - lo:end - lo].view(shape)
+                continue
+            held = out.state.setdefault(name, {})
+            if key not in held:
+                held[key] = torch.zeros(shape, dtype=shard.dtype)
+            full = held[key]
             if start < end:
                 full.view(-1)[start - off:end - off] = shard[start - lo:end - lo]
         out.scalars.setdefault(name, copy_scalars(entry["scalars"]))

@@ -230,10 +230,10 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
                               "and load that one: deepshard reshards its own checkpoints "
                               "into any pipeline / tensor layout")
     if universal.is_universal_tag(path):
-        loaded = universal.read(path)
+        loaded = universal.read(path, _needed(engine))
     else:
         loaded = from_deepspeed.read(path, engine.strategy.optimizer_groups,
-                                     frozenset(frozen_names(engine.module)))
+                                     frozenset(frozen_names(engine.module)), _needed(engine))
     load_optimizer = load_optimizer_states and not load_module_only
     with engine.strategy.materialized(engine.optimizer):
         _restore_model(engine, loaded.by_name, loaded.shared, load_module_strict=strict,
@@ -246,14 +246,21 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
                                                   load_lr_scheduler_states)
 
 
+def _needed(engine) -> Needed | None:
+    """The names this rank takes from a checkpoint (``None``: all): its strategy's and
+    what the module itself loads (stage 3's frozen shards too)."""
+    need = engine.strategy.needed()
+    if need is None:
+        return None
+    module = engine.module
+    own = set(module.state_dict()) - engine.strategy.owned_names(module)
+    return Needed(need.values | own, need.state)
+
+
 def _read(engine, path: Path, manifest: fmt.Manifest, shared: dict) -> ByName:
     """This rank's part of the checkpoint by name (all of it where the rank keeps all)."""
     topology = engine.topology
-    need = engine.strategy.needed()
-    if need is not None:  # and what the module itself loads (stage 3's frozen shards too)
-        module = engine.module
-        own = set(module.state_dict()) - engine.strategy.owned_names(module)
-        need = Needed(need.values | own, need.state)
+    need = _needed(engine)
     if topology is not None or manifest.layout:
         mp.check_same_layout(manifest, topology, path)
         coord = topology.coord(engine.global_rank)
@@ -279,7 +286,7 @@ def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:
     """What the strategy kept in this rank's own file (the 1-bit optimizers' errors), for
     the data-parallel world size the checkpoint was saved with."""
     own_file = path / fmt.rank_file(engine.global_rank)
-    own = fmt.load_file(path, own_file.name) if own_file.exists() else {}
+    own = fmt.load_file(path, own_file.name, mmap=True) if own_file.exists() else {}
     saved = manifest.layout["data"] if manifest.layout else manifest.world_size
     engine.strategy.restore_own(engine.optimizer, own.get("strategy"), saved)
 
@@ -300,7 +307,7 @@ def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool)
     engine.counters = dataclasses.replace(engine.counters, **counters)
     own_file = path / fmt.rank_file(engine.global_rank)
     if own_file.exists():
-        fmt.set_rng_states(fmt.load_file(path, own_file.name)["rng"])
+        fmt.set_rng_states(fmt.load_file(path, own_file.name, mmap=True)["rng"])
 
 
 def check_missing(module: torch.nn.Module, missing: set[str], unexpected: set[str],

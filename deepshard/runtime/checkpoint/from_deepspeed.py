@@ -23,7 +23,7 @@ import torch
 from deepshard.errors import UsageError
 from deepshard.runtime.checkpoint import ds_files
 from deepshard.runtime.checkpoint import format as fmt
-from deepshard.runtime.checkpoint.by_name import ByName, in_order
+from deepshard.runtime.checkpoint.by_name import ByName, Needed, in_order
 
 DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size",
                     "mp_world_size", "data_sampler", "random_ltd")
@@ -44,11 +44,12 @@ class Loaded:
 
 
 def read(tag_dir: Path, position_names: Sequence[Sequence[str]] | None = None,
-         frozen: frozenset[str] = frozenset()) -> Loaded:
+         frozen: frozenset[str] = frozenset(), need: Needed | None = None) -> Loaded:
     """The DeepSpeed checkpoint in ``tag_dir``. ``position_names``: the names of the
     loading job's optimizer groups, in order, frozen ones (``frozen``) included, which
     name a stage 0 checkpoint's optimizer positions (default: the checkpoint's
-    parameters in module order, matched by shape).
+    parameters in module order, matched by shape). ``need``: assemble only these names'
+    values and state from the ZeRO partitions (default: all).
 
     Raises:
         UsageError: a missing or extra rank file, files of another world size, or state
@@ -74,9 +75,9 @@ def read(tag_dir: Path, position_names: Sequence[Sequence[str]] | None = None,
         optims = [ds_files.load(p)["optimizer_state_dict"] for p in found.optim]
         shapes = top["param_shapes"] or []
         if stage == 3:
-            out = _stage3(optims, shapes, world, found)
+            out = _stage3(optims, shapes, world, found, need)
         else:
-            out = _stage12(optims, shapes, found)
+            out = _stage12(optims, shapes, found, need)
         for name, value in module.items():
             out.values.setdefault(name, value)
         groups = _param_groups(optims[0])
@@ -311,54 +312,70 @@ def _param_groups(opt: Mapping) -> list[dict]:
 
 
 def _stage12(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[int]]],
-             found: ds_files.Files) -> ByName:
+             found: ds_files.Files, need: Needed | None) -> ByName:
     out = ByName({})
     for g, group in enumerate(shapes):
-        flat = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optims])
+        flats = [o["single_partition_of_fp32_groups"][g] for o in optims]
         states = [_group_state(o, g) for o in optims]
         keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0]
-        flat_state = {k: torch.cat([s[k] for s in states]) for k in keys}
         scalars = {k: v for k, v in states[0].items() if k not in keys}
         total = sum(math.prod(s) for s in group.values())
-        if total > flat.numel():
+        if total > sum(f.numel() for f in flats):
             raise UsageError(f"param group {g} records {total} elements but the optimizer "
-                             f"files hold {flat.numel()}", where=str(found.optim[0]),
+                             f"files hold {sum(f.numel() for f in flats)}",
+                             where=str(found.optim[0]),
                              hint="the files are of different saves: keep one save's files")
         off = 0
         for name, shape in group.items():
             n = math.prod(shape)
-            out.values[name] = flat[off:off + n].view(tuple(shape))
-            if keys:
-                out.state[name] = {k: v[off:off + n].view(tuple(shape))
-                                   for k, v in flat_state.items()}
+            if need is None or name in need.values:
+                out.values[name] = _span(flats, off, n).view(tuple(shape))
+            if keys and (need is None or name in need.state):
+                out.state[name] = {k: _span([s[k] for s in states], off, n).view(tuple(shape))
+                                   for k in keys}
                 out.scalars[name] = dict(scalars)
             off += n
+        out.present.update(group)
     return out
 
 
+def _span(flats: Sequence[torch.Tensor], off: int, n: int) -> torch.Tensor:
+    """Elements ``[off, off + n)`` of the ranks' partitions laid end to end: a view of one
+    partition (memory-mapped, read when used) when they lie in one."""
+    pieces, base = [], 0
+    for flat in flats:
+        lo, hi = max(off, base), min(off + n, base + flat.numel())
+        if lo < hi:
+            pieces.append(flat[lo - base:hi - base])
+        base += flat.numel()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def _stage3(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[int]]],
-            world: int, found: ds_files.Files) -> ByName:
+            world: int, found: ds_files.Files, need: Needed | None) -> ByName:
     out = ByName({})
     for g, group in enumerate(shapes):
         flats = [o["fp32_flat_groups"][g] for o in optims]
         states = [_group_state(o, g) for o in optims]
         keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0]
         scalars = {k: v for k, v in states[0].items() if k not in keys}
-        need = sum(math.ceil(math.prod(s) / world) for s in group.values())
-        if any(f.numel() < need for f in flats):
-            raise UsageError(f"param group {g} needs {need} elements per rank, a rank file "
+        per_rank = sum(math.ceil(math.prod(s) / world) for s in group.values())
+        if any(f.numel() < per_rank for f in flats):
+            raise UsageError(f"param group {g} needs {per_rank} elements per rank, a rank file "
                              "holds fewer", where=str(found.optim[0]),
                              hint="the files are of different saves: keep one save's files")
         off = 0
         for name, shape in group.items():
             n = math.prod(shape)
             part = math.ceil(n / world)
-            out.values[name] = _joined([f[off:off + part] for f in flats], n, shape)
-            if keys:
+            if need is None or name in need.values:
+                out.values[name] = _joined([f[off:off + part] for f in flats], n, shape)
+            if keys and (need is None or name in need.state):
                 out.state[name] = {k: _joined([s[k][off:off + part] for s in states], n, shape)
                                    for k in keys}
                 out.scalars[name] = dict(scalars)
             off += part
+        out.present.update(group)
     frozen = [ds_files.load(p).get("frozen_param_fragments") or {} for p in found.model]
     for name, shape in (ds_files.load(found.model[0]).get("frozen_param_shapes") or {}).items():
         if all(name in f for f in frozen):

@@ -30,7 +30,7 @@ from deepshard.contract import DEEPSHARD_VERSION, DEEPSPEED_VERSION
 from deepshard.errors import EXIT_USAGE, UsageError, render
 from deepshard.runtime.checkpoint import ds_files, from_deepspeed
 from deepshard.runtime.checkpoint import format as fmt
-from deepshard.runtime.checkpoint.by_name import ByName, read_by_name
+from deepshard.runtime.checkpoint.by_name import ByName, Needed, read_by_name
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO = "zero"
@@ -64,8 +64,9 @@ def find_tag(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
 
 
 # -- reading ---------------------------------------------------------------------------
-def read(tag_dir: Path) -> from_deepspeed.Loaded:
-    """A universal checkpoint in deepshard's load form (see :mod:`.from_deepspeed`).
+def read(tag_dir: Path, need: Needed | None = None) -> from_deepspeed.Loaded:
+    """A universal checkpoint in deepshard's load form (see :mod:`.from_deepspeed`);
+    ``need``: read only these names' values and state (default: all).
 
     Raises:
         UsageError: a parameter folder without its ``fp32.pt``, a damaged file, or no
@@ -82,7 +83,11 @@ def read(tag_dir: Path) -> from_deepspeed.Loaded:
         if not fp32.is_file():
             raise UsageError(f"parameter folder {name} has no fp32.pt", where=str(folder),
                              hint="convert the checkpoint again (ds_to_universal)")
-        out.values[name] = _tensor(ds_files.load(fp32))
+        out.present.add(name)
+        if need is None or name in need.values:
+            out.values[name] = _tensor(ds_files.load(fp32))
+        if need is not None and name not in need.state:
+            continue
         state, scalars = {}, {}
         for item in sorted(folder.glob("*.pt")):
             if item.name == "fp32.pt":

@@ -91,8 +91,9 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
             if name in by_name.values:
                 fresh[dst] = by_name.values[name].reshape(-1)[src].float()
             for key, full in by_name.state.get(name, {}).items():
-                buf = state.setdefault(key, torch.zeros(g.spec.shard, dtype=full.dtype))
-                buf[dst] = full.reshape(-1)[src]
+                if key not in state:
+                    state[key] = torch.zeros(g.spec.shard, dtype=full.dtype)
+                state[key][dst] = full.reshape(-1)[src]
         g.write_shard(fresh)
         if t is None:  # frozen: no master, no optimizer state
             continue
