@@ -8,7 +8,7 @@ optimizer state is full. ZeRO-2 and ZeRO-3. Every operation runs in 2 fresh work
 processes (this script with ``--worker``); a worker builds its engine, then times the one
 operation between two barriers, sampling its RSS every 5 ms meanwhile: the table gives the
 slower rank's time and each rank's peak RSS during the operation (the process, model and
-engine included, as a user sees it).
+engine included, as a user sees it), with its RSS just before (the engine at rest).
 
 Rows per stage:
     deepshard save / load          deepshard's own format (``manifest.json``, rank files)
@@ -45,8 +45,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train import DEFAULT_DS_PYTHON, MICRO_BATCH, SEED, WORLD, deepspeed_version, error_line, \
-    wait_all  # noqa: E402
+from train import (  # noqa: E402
+    DEFAULT_DS_PYTHON,
+    MICRO_BATCH,
+    SEED,
+    WORLD,
+    deepspeed_version,
+    error_line,
+    wait_all,
+)
 
 RESULT_TAG = "CKPT "
 OUT = ROOT / "benchmarks" / "results" / "checkpoint.json"
@@ -119,6 +126,9 @@ def worker(runtime: str, op: str, stage: int, where: str) -> None:
         engine.backward(engine(x, y))
         engine.step()
     dist.barrier()
+    import psutil
+
+    before = psutil.Process().memory_info().rss
     with PeakRss() as rss:
         start = time.perf_counter()
         if op == "save":
@@ -127,8 +137,8 @@ def worker(runtime: str, op: str, stage: int, where: str) -> None:
             engine.load_checkpoint(where)
         dist.barrier()
         seconds = time.perf_counter() - start
-    print(RESULT_TAG + json.dumps({"rank": rank, "seconds": seconds, "peak_rss": rss.peak}),
-          flush=True)
+    print(RESULT_TAG + json.dumps({"rank": rank, "seconds": seconds, "peak_rss": rss.peak,
+                                   "rss_before": before}), flush=True)
     dist.destroy_process_group()
 
 
@@ -161,7 +171,8 @@ def ranks(python: str, runtime: str, op: str, stage: int, where: Path, timeout: 
                      if line.startswith(RESULT_TAG)]
             found.append(json.loads(lines[-1][len(RESULT_TAG):]))
     return {"seconds": max(f["seconds"] for f in found),
-            "peak_rss": [f["peak_rss"] for f in found]}
+            "peak_rss": [f["peak_rss"] for f in found],
+            "rss_before": [f["rss_before"] for f in found]}
 
 
 def command(argv: list[str], timeout: float) -> dict:
@@ -213,8 +224,8 @@ def run_stage(stage: int, ds_python: str | None, tmp: Path, timeout: float) -> d
 
 def table(results: dict[int, dict[str, dict]]) -> list[str]:
     """Markdown rows: time, ratio to DeepSpeed's own operation, peak RSS per rank."""
-    lines = ["| stage | operation | seconds | vs DeepSpeed | peak RSS per rank (MiB) |",
-             "|---|---|---|---|---|"]
+    lines = ["| stage | operation | seconds | vs DeepSpeed | peak RSS per rank, MiB "
+             "(before it) |", "|---|---|---|---|---|"]
     twin = {"deepshard save": "DeepSpeed save", "deepshard load": "DeepSpeed load",
             "deepshard load of DeepSpeed's": "DeepSpeed load",
             "DeepSpeed → universal (deepshard's tool)":
@@ -227,7 +238,9 @@ def table(results: dict[int, dict[str, dict]]) -> list[str]:
             ref = rows.get(twin.get(name, ""), {})
             ratio = f"{ref['seconds'] / row['seconds']:.2f}x faster" \
                 if "seconds" in ref else ""
-            rss = " / ".join(f"{r / 2**20:.0f}" for r in row["peak_rss"])
+            before = row.get("rss_before") or [None] * len(row["peak_rss"])
+            rss = " / ".join(f"{r / 2**20:.0f}" + (f" ({b / 2**20:.0f})" if b else "")
+                             for r, b in zip(row["peak_rss"], before, strict=True))
             lines.append(f"| {stage} | {name} | {row['seconds']:.2f} | {ratio} | {rss} |")
     return lines
 

@@ -91,7 +91,8 @@ def _scatter(entry: Mapping, out: ByName, need: Needed | None) -> None:
                 values[name] = entry["values"][start - lo:end - lo].view(shape)
             else:
                 if name not in values or values[name].shape != torch.Size(shape):
-                    values[name] = torch.zeros(shape, dtype=torch.float32)
+                    # every element arrives from some rank's entry (a complete checkpoint)
+                    values[name] = torch.empty(shape, dtype=torch.float32)
                 if start < end:
                     values[name].view(-1)[start - off:end - off] = \
                         entry["values"][start - lo:end - lo]
@@ -103,7 +104,7 @@ def _scatter(entry: Mapping, out: ByName, need: Needed | None) -> None:
                 continue
             held = out.state.setdefault(name, {})
             if key not in held:
-                held[key] = torch.zeros(shape, dtype=shard.dtype)
+                held[key] = torch.empty(shape, dtype=shard.dtype)
             full = held[key]
             if start < end:
                 full.view(-1)[start - off:end - off] = shard[start - lo:end - lo]

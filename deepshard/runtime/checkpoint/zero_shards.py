@@ -79,7 +79,7 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
     missing: list[str] = []
     steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
     for g, t in zip([*zero.groups, *zero.frozen_groups], steps, strict=True):
-        fresh = torch.zeros(g.spec.shard, dtype=torch.float32)
+        fresh = torch.empty(g.spec.shard, dtype=torch.float32)
         state: dict[str, torch.Tensor] = {}
         found = [n in by_name.present for n in g.names]
         missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
