@@ -6,7 +6,7 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint docs bench bench-fanout bench-train bench-zero \
-	bench-parallel bench-hf bench-onebit bench-moe bench-long-seq bench-elastic plots clean
+	bench-parallel bench-hf bench-checkpoint bench-onebit bench-moe bench-long-seq bench-elastic plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -73,6 +73,10 @@ bench-parallel: install
 
 bench-hf: install-test
 	$(PY) benchmarks/hf.py
+
+# DeepSpeed 0.19.8 from its side venv (/tmp/dsvenv); its rows are skipped without it
+bench-checkpoint: install
+	$(PY) benchmarks/checkpoint.py
 
 # two namespace hosts with tc-capped links (root, iproute2, openssh-server)
 bench-onebit: install
