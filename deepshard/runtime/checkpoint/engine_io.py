@@ -202,11 +202,15 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
         return None, None
     path = Path(load_dir) / manifest.tag
     shared = fmt.load_file(path, fmt.SHARED_FILE)
-    by_name = _read(engine, path, manifest, shared)
     load_optimizer = load_optimizer_states and not load_module_only
+    entries = _own_shards(engine, path, manifest)
     with engine.strategy.materialized(engine.optimizer):
-        _restore_model(engine, by_name, shared, load_module_strict, load_optimizer,
-                       manifest, path)
+        if entries is not None:
+            _restore_shards(engine, entries, shared, load_module_strict, load_optimizer,
+                            manifest, path)
+        else:
+            _restore_model(engine, _read(engine, path, manifest, shared), shared,
+                           load_module_strict, load_optimizer, manifest, path)
         if load_optimizer:
             _restore_own(engine, path, manifest)
     if not load_module_only:
@@ -244,6 +248,35 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
     engine.barrier()
     return str(path), from_deepspeed.client_state(loaded.top, load_optimizer,
                                                   load_lr_scheduler_states)
+
+
+def _own_shards(engine, path: Path, manifest: fmt.Manifest) -> list[dict] | None:
+    """This rank's saved shards when every rank's are its flat groups as they are now (a
+    ZeRO checkpoint of the same world size, stage and groups): then they are copied as
+    they are, not assembled by name. Collective (the ranks agree)."""
+    strategy, entries = engine.strategy, None
+    if manifest.zero_stage and manifest.zero_stage == strategy.stage and \
+            not manifest.layout and engine.topology is None and \
+            manifest.world_size == engine.dp_world_size:
+        own = fmt.load_file(path, fmt.rank_file(engine.global_rank), mmap=True)
+        entries = own.get("zero") or []
+    same = entries is not None and strategy.same_layout(entries)
+    return entries if engine.agree(None if same else "another layout") is None else None
+
+
+def _restore_shards(engine, entries: list[dict], shared: dict, load_module_strict: bool,
+                    load_optimizer: bool, manifest: fmt.Manifest, path: Path) -> None:
+    """:func:`_restore_model` for a checkpoint of this very layout (:func:`_own_shards`)."""
+    module, strategy = engine.module, engine.strategy
+    want = set(module.state_dict())
+    owned = strategy.owned_names(module)
+    values = shared["module"]
+    module.load_state_dict({k: values[k] for k in want - owned if k in values}, strict=False)
+    saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
+    strategy.restore_same_layout(engine.optimizer, entries, load_optimizer, saved_groups)
+    present = set(values)
+    check_missing(module, (want - owned) - present, present - want - strategy.entry_names(),
+                  load_module_strict, manifest, path)
 
 
 def _needed(engine) -> Needed | None:

@@ -8,7 +8,9 @@ shard of every partitioned group of frozen parameters (values only; left out wit
 frozen parameters, optimizer hyperparameters, scheduler, ...).
 
 Loading fills the shards from a checkpoint's by-name form (:mod:`.by_name`), so a ZeRO
-checkpoint loads at any stage and world size. A rank assembles only what it keeps
+checkpoint loads at any stage and world size; one saved with the very same flat groups
+(same world size, stage and grouping) is copied shard for shard instead
+(:func:`same_layout`, :func:`load_own`). A rank assembles only what it keeps
 (:func:`needed`): optimizer state for the parameters its shards cut into, values for those
 too at stage 3 (at stages 1-2 every rank holds every value).
 
@@ -108,3 +110,36 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
             # a fresh step counter per group: fused optimizers increment it in place
             optimizer.state[t] = {**copy_scalars(scal), **state}
     return missing
+
+
+def same_layout(zero, entries: list[dict]) -> bool:
+    """Whether this rank's saved ``entries`` are its own flat groups' shards, member for
+    member and bound for bound (a checkpoint of the same world size, stage and groups)."""
+    groups = [*zero.groups, *zero.frozen_groups]
+    if len(entries) != len(groups):
+        return False
+    steps = [*zero.stepper.step_tensors, *[g.read_shard() for g in zero.frozen_groups]]
+    return all(list(e["names"]) == list(g.names) and list(e["offsets"]) == list(g.flat.offsets)
+               and (e["lo"], e["hi"]) == (g.lo, g.hi) and e["values"].shape == t.shape
+               for g, e, t in zip(groups, entries, steps, strict=True))
+
+
+@torch.no_grad()
+def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool) -> None:
+    """Copy this rank's saved shards (:func:`same_layout` holds on every rank) into its
+    flat groups, masters and optimizer state; replicated groups (stages 1-2) then gather
+    every rank's shard into their whole parameters. Collective."""
+    steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
+    works = []
+    for g, t, e in zip([*zero.groups, *zero.frozen_groups], steps, entries, strict=True):
+        g.write_shard(e["values"][:g.spec.shard])
+        if t is not None and t is not g.shard and t.numel():
+            t.copy_(e["values"])
+        work = g.all_gather_replicated()
+        if work is not None:
+            works.append(work)
+        if t is not None and load_optimizer and optimizer is not None and e["state"]:
+            optimizer.state[t] = {**copy_scalars(e["scalars"]),
+                                  **{k: v.clone() for k, v in e["state"].items()}}
+    for work in works:
+        work.wait()

@@ -196,6 +196,19 @@ class DataParallelStrategy(ABC):
         and hyperparameters from a checkpoint's by-name form; returns the names of
         :meth:`owned_names` it lacked."""
 
+    def same_layout(self, entries: list[dict]) -> bool:
+        """Whether this rank's entries of a checkpoint are its own shards as they are now
+        (then :meth:`restore_same_layout` can copy them); ``False`` by default."""
+        del entries
+        return False
+
+    def restore_same_layout(self, optimizer: torch.optim.Optimizer | None,
+                            entries: list[dict], load_optimizer: bool,
+                            saved_groups: list[dict]) -> None:
+        """Copy this rank's entries into its shards (when :meth:`same_layout` held on
+        every rank). Collective."""
+        raise NotImplementedError(type(self).__name__)
+
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:
         """Parameter lists to gather one at a time for a whole-model save (stage 3)."""
         return []

@@ -177,6 +177,18 @@ class ZeroStrategy(DataParallelStrategy):
                 g.update({k: v for k, v in saved.items() if k != "params"})
         return missing
 
+    def same_layout(self, entries: list[dict]) -> bool:
+        return zero_shards.same_layout(self, entries)
+
+    def restore_same_layout(self, optimizer, entries: list[dict], load_optimizer: bool,
+                            saved_groups: list[dict]) -> None:
+        zero_shards.load_own(self, optimizer, entries, load_optimizer)
+        if load_optimizer and optimizer is not None:
+            for g, saved in zip(optimizer.param_groups,
+                                merge_groups(optimizer.param_groups, saved_groups),
+                                strict=True):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:
         if self.coordinator is None:
             return []
