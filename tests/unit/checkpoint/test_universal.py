@@ -56,5 +56,5 @@ def test_parameter_without_fp32_is_named(tmp_path):
     out = tmp_path / "global_step2_universal"
     universal.convert(DATA / "zero2_fp32" / "ckpt" / "global_step2", out)
     (out / "zero" / "fc1.weight" / "fp32.pt").unlink()
-    with pytest.raises(UsageError, match="parameter folder fc1.weight has no fp32.pt"):
+    with pytest.raises(UsageError, match=r"parameter folder fc1\.weight has no fp32\.pt"):
         universal.read(out)
