@@ -150,28 +150,26 @@ def load(path: Path, mmap: bool = True) -> dict:
 
 @dataclass(frozen=True)
 class Files:
-    """The files of one DeepSpeed tag directory (model-parallel rank 0 of each stage)."""
+    """The files of one DeepSpeed tag directory (data parallelism only)."""
 
     tag_dir: Path
     model: tuple[Path, ...]    # stage 3: one per data-parallel rank; else one
     optim: tuple[Path, ...]    # by data-parallel rank; empty at stage 0 (fp32)
-    layers: tuple[Path, ...]   # pipeline layer files, in layer order
-    experts: tuple[Path, ...]  # MoE expert files
-    mp_ranks: int
 
 
 def files(tag_dir: Path) -> Files:
     """What ``tag_dir`` holds, checked to be one complete checkpoint.
 
     Raises:
-        UsageError: a rank's file missing, or files of two world sizes / precisions (one
-            line naming the tag directory and what is wrong).
+        UsageError: a rank's file missing, files of two world sizes / precisions, or a
+            layout not read yet (tensor-parallel ranks, pipeline layer files, MoE expert
+            files): one line naming the tag directory and what is wrong.
     """
     names = [p.name for p in _listing(tag_dir)]
     zero3 = sorted((int(m[1]), int(m[2])) for n in names if (m := ZERO3_MODEL.match(n)))
     plain = sorted(int(m[1]) for n in names if (m := MODEL.match(n)))
     optim = sorted((int(m[2]), int(m[3]), bool(m[1])) for n in names if (m := OPTIM.match(n)))
-    mp_ranks = max([r for r in plain] + [m for _, m in zero3] + [m for _, m, _ in optim] + [0]) + 1
+    mp_ranks = max([*plain, *(m for _, m in zero3), *(m for _, m, _ in optim), 0]) + 1
     if mp_ranks > 1:
         raise UsageError(f"this DeepSpeed checkpoint was saved with {mp_ranks} model-"
                          "parallel (tensor) ranks", where=str(tag_dir),
@@ -195,16 +193,20 @@ def files(tag_dir: Path) -> Files:
                          f"files: {what} is missing", where=str(tag_dir),
                          hint="copy the whole tag directory (every rank's files); files of "
                               "two saves must not be mixed")
-    layers = sorted((tag_dir / n for n in names if LAYER.match(n)),
-                    key=lambda p: int(LAYER.match(p.name)[1]))  # type: ignore[index]
-    experts = tuple(tag_dir / n for n in names if EXPERT.match(n))
-    if not model and not layers:
+    layers = sorted(n for n in names if LAYER.match(n))
+    experts = sorted(n for n in names if EXPERT.match(n))
+    if layers or experts:
+        kind = "pipeline layer" if layers else "MoE expert"
+        raise UsageError(f"DeepSpeed {kind} files ({(layers or experts)[0]}...) are not "
+                         "read yet", where=str(tag_dir),
+                         hint="load it in DeepSpeed and save its consolidated weights "
+                              "(zero_to_fp32) to start from, or resume in DeepSpeed")
+    if not model:
         raise UsageError("no DeepSpeed model states file", where=str(tag_dir),
                          hint=f"the directory should hold {model_file()} (or, at stage 3, "
                               f"{zero3_model_file(0)})")
     return Files(tag_dir, tuple(model), tuple(tag_dir / optim_file(r, 0, bool(b))
-                                                for r, _, b in optim),
-                 tuple(layers), experts, mp_ranks)
+                                                for r, _, b in optim))
 
 
 def _check_ranks(tag_dir: Path, ranks: list[int], pattern: str) -> None:

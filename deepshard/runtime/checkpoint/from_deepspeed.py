@@ -1,6 +1,6 @@
-"""A DeepSpeed checkpoint (any ZeRO stage, fp32 / fp16 / bf16, pipeline layer files)
-read into deepshard's by-name form, so ``load_checkpoint`` and the consolidation read it
-as they read deepshard's own, at any world size and stage.
+"""A DeepSpeed checkpoint (any ZeRO stage, fp32 / fp16 / bf16) read into deepshard's
+by-name form, so ``load_checkpoint`` and the consolidation read it as they read deepshard's
+own, at any world size and stage.
 
 DeepSpeed keeps fp32 masters and optimizer state as flat partitions: at stages 1-2 each
 group's parameters lie end to end (in ``param_shapes`` order) across the ranks' partitions
@@ -58,7 +58,7 @@ def read(tag_dir: Path, position_names: Sequence[Sequence[str]] | None = None,
     found = ds_files.files(tag_dir)
     top = _top(found)
     world = int(top.get("dp_world_size") or 1)
-    stage = _stage(found, top)
+    stage = _stage(found)
     if stage and len(found.optim) != world:
         raise UsageError(f"{len(found.optim)} optimizer partition files for a world of "
                          f"{world} ranks", where=str(tag_dir),
@@ -150,13 +150,10 @@ def client_state(top: Mapping[str, Any], load_optimizer: bool,
 
 
 def _top(found: ds_files.Files) -> dict:
-    if found.model:
-        return ds_files.load(found.model[0])
-    raise UsageError("a pipeline checkpoint without its mp_rank_00_model_states.pt",
-                     where=str(found.tag_dir), hint="copy the whole tag directory")
+    return ds_files.load(found.model[0])
 
 
-def _stage(found: ds_files.Files, top: Mapping) -> int:
+def _stage(found: ds_files.Files) -> int:
     if not found.optim:
         return 0
     first = ds_files.load(found.optim[0])["optimizer_state_dict"]
@@ -164,22 +161,16 @@ def _stage(found: ds_files.Files, top: Mapping) -> int:
     value = getattr(stage, "value", stage)
     if value is None:  # bf16 at stage 0 (DeepSpeed's BF16_Optimizer) keeps its own files
         return 0
-    del top
     return int(value)
 
 
 def _module(found: ds_files.Files, top: Mapping) -> dict[str, torch.Tensor]:
-    """The module's entries worth keeping (stage 3 saves its parameters empty); pipeline
-    layer files add theirs under the pipeline module's names (``{layer}.{name}``)."""
+    """The module's entries worth keeping (stage 3 saves its parameters empty)."""
+    del found
     shapes = {n for g in top.get("param_shapes") or [] for n in g}
     shapes.update(top.get("frozen_param_shapes") or {})
-    module = {n: v for n, v in (top.get("module") or {}).items()
-              if not (n in shapes and v.numel() == 0)}
-    for path in found.layers:
-        index = int(ds_files.LAYER.match(path.name)[1])  # type: ignore[index]
-        for name, value in ds_files.load(path).items():
-            module[f"{index}.{name}"] = value
-    return module
+    return {n: v for n, v in (top.get("module") or {}).items()
+            if not (n in shapes and v.numel() == 0)}
 
 
 def _param_dtype(module: Mapping[str, torch.Tensor]) -> torch.dtype:
