@@ -258,7 +258,8 @@ def _own_shards(engine, path: Path, manifest: fmt.Manifest) -> list[dict] | None
     if manifest.zero_stage and manifest.zero_stage == strategy.stage and \
             not manifest.layout and engine.topology is None and \
             manifest.world_size == engine.dp_world_size:
-        own = fmt.load_file(path, fmt.rank_file(engine.global_rank), mmap=True)
+        # read, not memory-mapped: the optimizer state tensors are kept as they are read
+        own = fmt.load_file(path, fmt.rank_file(engine.global_rank))
         entries = own.get("zero") or []
     same = entries is not None and strategy.same_layout(entries)
     return entries if engine.agree(None if same else "another layout") is None else None

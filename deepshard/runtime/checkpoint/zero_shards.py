@@ -127,8 +127,9 @@ def same_layout(zero, entries: list[dict]) -> bool:
 @torch.no_grad()
 def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool) -> None:
     """Copy this rank's saved shards (:func:`same_layout` holds on every rank) into its
-    flat groups, masters and optimizer state; replicated groups (stages 1-2) then gather
-    every rank's shard into their whole parameters. Collective."""
+    flat groups and masters, and take their optimizer state tensors as they are (read
+    for this call: not copied again); replicated groups (stages 1-2) then gather every
+    rank's shard into their whole parameters. Collective."""
     steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
     works = []
     for g, t, e in zip([*zero.groups, *zero.frozen_groups], steps, entries, strict=True):
@@ -140,6 +141,6 @@ def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool) -> None
             works.append(work)
         if t is not None and load_optimizer and optimizer is not None and e["state"]:
             optimizer.state[t] = {**copy_scalars(e["scalars"]),
-                                  **{k: v.clone() for k, v in e["state"].items()}}
+                                  **{k: v.contiguous() for k, v in e["state"].items()}}
     for work in works:
         work.wait()
