@@ -239,6 +239,8 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
         loaded = from_deepspeed.read(path, engine.strategy.optimizer_groups,
                                      frozenset(frozen_names(engine.module)), _needed(engine))
     load_optimizer = load_optimizer_states and not load_module_only
+    if load_optimizer:
+        from_deepspeed.check_optimizer(loaded.top, path)
     with engine.strategy.materialized(engine.optimizer):
         _restore_model(engine, loaded.by_name, loaded.shared, load_module_strict=strict,
                        load_optimizer=load_optimizer, manifest=loaded.manifest, path=path)

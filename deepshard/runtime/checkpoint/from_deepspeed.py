@@ -139,6 +139,23 @@ def frozen_names(tag_dir: Path) -> set[str]:
     return {n for n in top.get("module") or {} if n not in trained}
 
 
+def check_optimizer(top: Mapping[str, Any], where: Path) -> None:
+    """Refuse, in one line, optimizer state of a DeepSpeed optimizer deepshard lacks (its
+    config's ``optimizer.type``), before anything is loaded.
+
+    Raises:
+        UsageError: naming the optimizer, with ``load_optimizer_states=False`` as the way on.
+    """
+    from deepshard.config.schema_optim import OptimizerConfig
+
+    kind = ((top.get("ds_config") or {}).get("optimizer") or {}).get("type")
+    if isinstance(kind, str) and OptimizerConfig.params_model(kind) is None:
+        raise UsageError(f"this DeepSpeed checkpoint holds the state of optimizer {kind!r}, "
+                         "which deepshard does not have", where=str(where),
+                         hint="load it with load_optimizer_states=False: the weights, "
+                              "schedule and counters still load (the optimizer starts afresh)")
+
+
 def client_state(top: Mapping[str, Any], load_optimizer: bool,
                  load_lr_scheduler: bool) -> dict:
     """What DeepSpeed's ``load_checkpoint`` returns as client state for this model file:

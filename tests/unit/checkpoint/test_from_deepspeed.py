@@ -116,3 +116,14 @@ def test_tensor_parallel_ranks_are_refused(tmp_path):
     shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
     with pytest.raises(UsageError, match="2 model-parallel"):
         from_deepspeed.read(tag)
+
+
+def test_an_optimizer_deepshard_lacks_is_named():
+    tag = DATA / "zero2_fp32" / "ckpt" / "global_step2"
+    top = dict(from_deepspeed.read(tag).top)
+    from_deepspeed.check_optimizer(top, tag)  # AdamW: carried over
+    top["ds_config"] = {**top["ds_config"], "optimizer": {"type": "Muon", "params": {}}}
+    with pytest.raises(UsageError, match="optimizer 'Muon', which deepshard does not have") \
+            as err:
+        from_deepspeed.check_optimizer(top, tag)
+    assert "load_optimizer_states=False" in str(err.value.hint)
