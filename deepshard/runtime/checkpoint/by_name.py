@@ -98,11 +98,11 @@ def _scatter(entry: Mapping, out: ByName, need: Needed | None) -> None:
                         entry["values"][start - lo:end - lo]
         if need is not None and name not in need.state:
             continue
+        held = out.state.setdefault(name, {}) if entry["state"] else {}
         for key, shard in entry["state"].items():
             if whole:
-                out.state.setdefault(name, {})[key] = shard[start - lo:end - lo].view(shape)
+                held[key] = shard[start - lo:end - lo].view(shape)
                 continue
-            held = out.state.setdefault(name, {})
             if key not in held:
                 held[key] = torch.empty(shape, dtype=shard.dtype)
             full = held[key]

@@ -188,10 +188,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
                     load_optimizer_states=True, load_lr_scheduler_states=True,
                     load_module_only=False):
     """``engine.load_checkpoint`` (see there)."""
-    ds_tag = None
-    if engine._config.checkpoint.load_universal:
-        ds_tag = universal.find_tag(load_dir, None if tag is None else str(tag))
-    ds_tag = ds_tag or ds_files.find_tag(load_dir, None if tag is None else str(tag))
+    named = None if tag is None else str(tag)
+    ds_tag = universal.find_tag(load_dir, named) \
+        if engine._config.checkpoint.load_universal else None
+    ds_tag = ds_tag or ds_files.find_tag(load_dir, named)
     if ds_tag is not None:
         return _load_deepspeed(engine, ds_tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)

@@ -304,12 +304,20 @@ def _fit(value: torch.Tensor, module: Mapping[str, torch.Tensor], name: str,
 
 
 # -- stages 1-3 ------------------------------------------------------------------------
-def _group_state(opt: Mapping, g: int) -> dict:
-    """Group ``g``'s flat optimizer state in one rank's optimizer file."""
-    base = opt.get("base_optimizer_state", opt.get("optimizer_state_dict"))
-    if isinstance(base, list):  # elastic_checkpoint: one dict per group
-        return dict(base[g])
-    return dict((base or {}).get("state", {}).get(g, {}))
+def _group_states(optims: Sequence[Mapping], g: int
+                  ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
+    """Group ``g``'s flat optimizer state: each state tensor's partition in every rank's
+    file (rank order), and the group's scalars (``step``) from rank 0's."""
+    states = []
+    for opt in optims:
+        base = opt.get("base_optimizer_state", opt.get("optimizer_state_dict"))
+        if isinstance(base, list):  # elastic_checkpoint: one dict per group
+            states.append(dict(base[g]))
+        else:
+            states.append(dict((base or {}).get("state", {}).get(g, {})))
+    keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0]
+    return ({k: [s[k] for s in states] for k in keys},
+            {k: v for k, v in states[0].items() if k not in keys})
 
 
 def _param_groups(opt: Mapping) -> list[dict]:
@@ -324,9 +332,7 @@ def _stage12(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[i
     out = ByName({})
     for g, group in enumerate(shapes):
         flats = [o["single_partition_of_fp32_groups"][g] for o in optims]
-        states = [_group_state(o, g) for o in optims]
-        keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0]
-        scalars = {k: v for k, v in states[0].items() if k not in keys}
+        tensors, scalars = _group_states(optims, g)
         total = sum(math.prod(s) for s in group.values())
         if total > sum(f.numel() for f in flats):
             raise UsageError(f"param group {g} records {total} elements but the optimizer "
@@ -338,9 +344,9 @@ def _stage12(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[i
             n = math.prod(shape)
             if need is None or name in need.values:
                 out.values[name] = _span(flats, off, n).view(tuple(shape))
-            if keys and (need is None or name in need.state):
-                out.state[name] = {k: _span([s[k] for s in states], off, n).view(tuple(shape))
-                                   for k in keys}
+            if tensors and (need is None or name in need.state):
+                out.state[name] = {k: _span(ranks, off, n).view(tuple(shape))
+                                   for k, ranks in tensors.items()}
                 out.scalars[name] = dict(scalars)
             off += n
         out.present.update(group)
@@ -364,9 +370,7 @@ def _stage3(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[in
     out = ByName({})
     for g, group in enumerate(shapes):
         flats = [o["fp32_flat_groups"][g] for o in optims]
-        states = [_group_state(o, g) for o in optims]
-        keys = [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0]
-        scalars = {k: v for k, v in states[0].items() if k not in keys}
+        tensors, scalars = _group_states(optims, g)
         per_rank = sum(math.ceil(math.prod(s) / world) for s in group.values())
         if any(f.numel() < per_rank for f in flats):
             raise UsageError(f"param group {g} needs {per_rank} elements per rank, a rank file "
@@ -378,9 +382,9 @@ def _stage3(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[in
             part = math.ceil(n / world)
             if need is None or name in need.values:
                 out.values[name] = _joined([f[off:off + part] for f in flats], n, shape)
-            if keys and (need is None or name in need.state):
-                out.state[name] = {k: _joined([s[k][off:off + part] for s in states], n, shape)
-                                   for k in keys}
+            if tensors and (need is None or name in need.state):
+                out.state[name] = {k: _joined([r[off:off + part] for r in ranks], n, shape)
+                                   for k, ranks in tensors.items()}
                 out.scalars[name] = dict(scalars)
             off += part
         out.present.update(group)

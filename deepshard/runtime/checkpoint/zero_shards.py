@@ -118,10 +118,11 @@ def same_layout(zero, entries: list[dict]) -> bool:
     groups = [*zero.groups, *zero.frozen_groups]
     if len(entries) != len(groups):
         return False
-    steps = [*zero.stepper.step_tensors, *[g.read_shard() for g in zero.frozen_groups]]
+    sizes = [*(t.numel() for t in zero.stepper.step_tensors),
+             *(g.spec.shard for g in zero.frozen_groups)]
     return all(list(e["names"]) == list(g.names) and list(e["offsets"]) == list(g.flat.offsets)
-               and (e["lo"], e["hi"]) == (g.lo, g.hi) and e["values"].shape == t.shape
-               for g, e, t in zip(groups, entries, steps, strict=True))
+               and (e["lo"], e["hi"]) == (g.lo, g.hi) and e["values"].numel() == size
+               for g, e, size in zip(groups, entries, sizes, strict=True))
 
 
 @torch.no_grad()

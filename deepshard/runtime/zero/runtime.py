@@ -171,10 +171,7 @@ class ZeroStrategy(DataParallelStrategy):
                 saved_groups: list[dict]) -> set[str]:
         missing = set(zero_shards.load_into_zero(self, optimizer, by_name, load_optimizer))
         if load_optimizer and optimizer is not None:
-            for g, saved in zip(optimizer.param_groups,
-                                merge_groups(optimizer.param_groups, saved_groups),
-                                strict=True):
-                g.update({k: v for k, v in saved.items() if k != "params"})
+            _take_hyperparameters(optimizer, saved_groups)
         return missing
 
     def same_layout(self, entries: list[dict]) -> bool:
@@ -184,15 +181,19 @@ class ZeroStrategy(DataParallelStrategy):
                             saved_groups: list[dict]) -> None:
         zero_shards.load_own(self, optimizer, entries, load_optimizer)
         if load_optimizer and optimizer is not None:
-            for g, saved in zip(optimizer.param_groups,
-                                merge_groups(optimizer.param_groups, saved_groups),
-                                strict=True):
-                g.update({k: v for k, v in saved.items() if k != "params"})
+            _take_hyperparameters(optimizer, saved_groups)
 
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:
         if self.coordinator is None:
             return []
         return [g.params for g in (*self.groups, *self.frozen_groups) if g.partitioned]
+
+
+def _take_hyperparameters(optimizer, saved_groups: list[dict]) -> None:
+    """The checkpoint's hyperparameters (lr, betas...) into the optimizer's groups."""
+    for g, saved in zip(optimizer.param_groups,
+                        merge_groups(optimizer.param_groups, saved_groups), strict=True):
+        g.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
