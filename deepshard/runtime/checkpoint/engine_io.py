@@ -203,7 +203,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     path = Path(load_dir) / manifest.tag
     shared = fmt.load_file(path, fmt.SHARED_FILE)
     load_optimizer = load_optimizer_states and not load_module_only
-    entries = _own_shards(engine, path, manifest)
+    own = _own_file(engine, path, manifest)
+    entries = _own_shards(engine, own, manifest)
     with engine.strategy.materialized(engine.optimizer):
         if entries is not None:
             _restore_shards(engine, entries, shared, load_module_strict, load_optimizer,
@@ -212,9 +213,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
             _restore_model(engine, _read(engine, path, manifest, shared), shared,
                            load_module_strict, load_optimizer, manifest, path)
         if load_optimizer:
-            _restore_own(engine, path, manifest)
+            _restore_own(engine, own, manifest)
     if not load_module_only:
-        _restore_schedule(engine, path, shared, load_lr_scheduler_states)
+        _restore_schedule(engine, shared, load_lr_scheduler_states, own.get("rng"))
         data_position.restore(engine, shared.get("data_position"))
     engine.strategy.zero_grad()
     engine.barrier()
@@ -245,25 +246,37 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
         _restore_model(engine, loaded.by_name, loaded.shared, load_module_strict=strict,
                        load_optimizer=load_optimizer, manifest=loaded.manifest, path=path)
     if not load_module_only:
-        _restore_schedule(engine, path, loaded.shared, load_lr_scheduler_states)
+        _restore_schedule(engine, loaded.shared, load_lr_scheduler_states, None)
     engine.strategy.zero_grad()
     engine.barrier()
     return str(path), from_deepspeed.client_state(loaded.top, load_optimizer,
                                                   load_lr_scheduler_states)
 
 
-def _own_shards(engine, path: Path, manifest: fmt.Manifest) -> list[dict] | None:
+def _same_world_and_stage(engine, manifest: fmt.Manifest) -> bool:
+    """A data-parallel ZeRO checkpoint saved at this world size and stage."""
+    return bool(manifest.zero_stage) and manifest.zero_stage == engine.strategy.stage and \
+        not manifest.layout and engine.topology is None and \
+        manifest.world_size == engine.dp_world_size
+
+
+def _own_file(engine, path: Path, manifest: fmt.Manifest) -> dict:
+    """This rank's own file ({} when the checkpoint has none for it), read once: eagerly
+    where its shards may be taken as they are (:func:`_own_shards` keeps the optimizer
+    state tensors it read), else memory-mapped (only the small parts are used)."""
+    own_file = path / fmt.rank_file(engine.global_rank)
+    if not own_file.exists():
+        return {}
+    return fmt.load_file(path, own_file.name,
+                         mmap=not _same_world_and_stage(engine, manifest))
+
+
+def _own_shards(engine, own: dict, manifest: fmt.Manifest) -> list[dict] | None:
     """This rank's saved shards when every rank's are its flat groups as they are now (a
     ZeRO checkpoint of the same world size, stage and groups): then they are copied as
     they are, not assembled by name. Collective (the ranks agree)."""
-    strategy, entries = engine.strategy, None
-    if manifest.zero_stage and manifest.zero_stage == strategy.stage and \
-            not manifest.layout and engine.topology is None and \
-            manifest.world_size == engine.dp_world_size:
-        # read, not memory-mapped: the optimizer state tensors are kept as they are read
-        own = fmt.load_file(path, fmt.rank_file(engine.global_rank))
-        entries = own.get("zero") or []
-    same = entries is not None and strategy.same_layout(entries)
+    entries = own.get("zero") if _same_world_and_stage(engine, manifest) else None
+    same = entries is not None and engine.strategy.same_layout(entries)
     return entries if engine.agree(None if same else "another layout") is None else None
 
 
@@ -318,16 +331,14 @@ def _restore_model(engine, by_name: ByName, shared: dict, load_module_strict: bo
     check_missing(module, missing, unexpected, load_module_strict, manifest, path)
 
 
-def _restore_own(engine, path: Path, manifest: fmt.Manifest) -> None:
+def _restore_own(engine, own: dict, manifest: fmt.Manifest) -> None:
     """What the strategy kept in this rank's own file (the 1-bit optimizers' errors), for
     the data-parallel world size the checkpoint was saved with."""
-    own_file = path / fmt.rank_file(engine.global_rank)
-    own = fmt.load_file(path, own_file.name, mmap=True) if own_file.exists() else {}
     saved = manifest.layout["data"] if manifest.layout else manifest.world_size
     engine.strategy.restore_own(engine.optimizer, own.get("strategy"), saved)
 
 
-def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool) -> None:
+def _restore_schedule(engine, shared: dict, load_lr_scheduler: bool, rng: dict | None) -> None:
     if load_lr_scheduler and engine.lr_scheduler and shared["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(shared["lr_scheduler"])
     saved_scale = shared["loss_scaler"]
@@ -341,9 +352,8 @@ def _restore_schedule(engine, path: Path, shared: dict, load_lr_scheduler: bool)
     gas = engine.gradient_accumulation_steps()
     counters["micro_steps"] = counters.get("micro_steps", 0) // gas * gas
     engine.counters = dataclasses.replace(engine.counters, **counters)
-    own_file = path / fmt.rank_file(engine.global_rank)
-    if own_file.exists():
-        fmt.set_rng_states(fmt.load_file(path, own_file.name, mmap=True)["rng"])
+    if rng is not None:  # this rank's own file had them
+        fmt.set_rng_states(rng)
 
 
 def check_missing(module: torch.nn.Module, missing: set[str], unexpected: set[str],
