@@ -12,6 +12,8 @@ engine included, as a user sees it), with its RSS just before (the engine at res
 
 Rows per stage:
     deepshard save / load          deepshard's own format (``manifest.json``, rank files)
+    deepshard save, DeepSpeed's    deepshard writing DeepSpeed's layout
+    layout / load of that          (``checkpoint.format: "deepspeed"``) and reading it back
     DeepSpeed save / load          DeepSpeed 0.19.8 writing and reading its layout
     deepshard load of DeepSpeed's  deepshard reading the checkpoint DeepSpeed wrote
     universal: DeepSpeed's tool    ``python -m deepspeed.checkpoint.ds_to_universal`` (with
@@ -20,6 +22,8 @@ Rows per stage:
     universal: deepshard's tool    ``python -m deepshard.runtime.checkpoint.universal``, the
                                    same command line, on the same checkpoint
     deepshard → universal          deepshard's tool on deepshard's own checkpoint
+    DeepSpeed load of deepshard's  DeepSpeed reading what deepshard wrote in its layout
+    DeepSpeed layout
     DeepSpeed load of deepshard's  DeepSpeed (``load_universal``) reading the universal
     universal                      folder made from deepshard's checkpoint: the way back
     deepshard load of universal    deepshard (``load_universal``) reading the same folder
@@ -59,8 +63,9 @@ RESULT_TAG = "CKPT "
 OUT = ROOT / "benchmarks" / "results" / "checkpoint.json"
 
 
-def config(stage: int, universal: bool = False) -> dict:
-    """The config both libraries run with."""
+def config(stage: int, universal: bool = False, deepspeed_layout: bool = False) -> dict:
+    """The config both libraries run with (``deepspeed_layout``: deepshard saves in
+    DeepSpeed's layout)."""
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01,
                                                      "torch_adam": True}},
@@ -68,6 +73,8 @@ def config(stage: int, universal: bool = False) -> dict:
            "steps_per_print": 10**9}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if deepspeed_layout:
+        cfg["checkpoint"] = {"format": "deepspeed"}
     return cfg
 
 
@@ -117,9 +124,11 @@ def worker(runtime: str, op: str, stage: int, where: str) -> None:
 
         deepspeed.comm.comm.cdb.shm_vector_kernel_level = 0
     engine, *_ = library.initialize(model=model, model_parameters=model.parameters(),
-                                    config=config(stage, universal=op == "load-universal"))
+                                    config=config(stage, universal=op == "load-universal",
+                                                  deepspeed_layout=op == "save-deepspeed"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if op == "save":
+    saving = op.startswith("save")
+    if saving:
         x, y = gpt.sample_batch(gpt.stdlib_corpus(),
                                 gpt.rank_indices(0, 0, rank, world, MICRO_BATCH, 1), SEED,
                                 model.cfg.seq_len)
@@ -131,7 +140,7 @@ def worker(runtime: str, op: str, stage: int, where: str) -> None:
     before = psutil.Process().memory_info().rss
     with PeakRss() as rss:
         start = time.perf_counter()
-        if op == "save":
+        if saving:
             engine.save_checkpoint(where, tag="global_step1")
         else:
             engine.load_checkpoint(where)
@@ -196,6 +205,10 @@ def run_stage(stage: int, ds_python: str | None, tmp: Path, timeout: float) -> d
     ours, theirs = tmp / f"ours{stage}", tmp / f"theirs{stage}"
     out["deepshard save"] = ranks(me, "deepshard", "save", stage, ours, timeout)
     out["deepshard load"] = ranks(me, "deepshard", "load", stage, ours, timeout)
+    ours_ds = tmp / f"ours_ds{stage}"
+    out["deepshard save, DeepSpeed's layout"] = ranks(me, "deepshard", "save-deepspeed", stage,
+                                                      ours_ds, timeout)
+    out["deepshard load of that"] = ranks(me, "deepshard", "load", stage, ours_ds, timeout)
     uni_ours = tmp / f"uni_ours{stage}"
     out["deepshard → universal (deepshard's tool)"] = command(
         [me, "-m", "deepshard.runtime.checkpoint.universal", "--input_folder",
@@ -216,6 +229,9 @@ def run_stage(stage: int, ds_python: str | None, tmp: Path, timeout: float) -> d
     out["DeepSpeed → universal (deepshard's tool)"] = command(
         [me, "-m", "deepshard.runtime.checkpoint.universal", "--input_folder", str(tag),
          "--output_folder", str(tmp / f"uni_mine{stage}" / "global_step1")], timeout)
+    out["DeepSpeed load of deepshard's DeepSpeed layout"] = ranks(ds_python, "deepspeed",
+                                                                  "load", stage, ours_ds,
+                                                                  timeout)
     out["DeepSpeed load of deepshard's universal"] = ranks(ds_python, "deepspeed",
                                                            "load-universal", stage, uni_ours,
                                                            timeout)
@@ -227,6 +243,8 @@ def table(results: dict[int, dict[str, dict]]) -> list[str]:
     lines = ["| stage | operation | seconds | vs DeepSpeed | peak RSS per rank, MiB "
              "(before it) |", "|---|---|---|---|---|"]
     twin = {"deepshard save": "DeepSpeed save", "deepshard load": "DeepSpeed load",
+            "deepshard save, DeepSpeed's layout": "DeepSpeed save",
+            "deepshard load of that": "DeepSpeed load",
             "deepshard load of DeepSpeed's": "DeepSpeed load",
             "DeepSpeed → universal (deepshard's tool)":
                 "DeepSpeed → universal (DeepSpeed's ds_to_universal)"}

@@ -187,6 +187,11 @@ class CheckpointConfig(Section):
                                        "node saves the shared files).", default=False)
     parallel_write: ParallelWriteConfig = doc("Parallel checkpoint writing options.",
                                               default_factory=ParallelWriteConfig)
+    format: Annotated[Literal["deepshard", "deepspeed"], one_of("deepshard", "deepspeed")] = doc(
+        "deepshard: the layout save_checkpoint writes: 'deepshard' (a manifest and a file "
+        "per rank; loads at any world size, stage and layout) or 'deepspeed' (DeepSpeed "
+        "0.19.8's own files, which DeepSpeed loads at the same world size and stage; "
+        "data-parallel jobs, ZeRO 0-3). Both load in deepshard.", default="deepshard")
     resume_dir: str | None = doc(
         "deepshard: a checkpoint directory from which initialize() loads the latest complete "
         "tag; None: no automatic resume.", default=None)

@@ -14,7 +14,8 @@ transformers' training loop unchanged: Accelerate stays in its plain multi-proce
 shards the data loaders) and its four engine-facing calls (``backward``,
 ``clip_grad_norm_``, ``no_sync``, ``unwrap_model``) are pointed at the engine, as
 Accelerate's DeepSpeed wrapper does. Checkpoints are the engine's (``checkpoint-N/global_stepN``)
-next to the Trainer's state; ``save_model`` writes the HF format
+next to the Trainer's state; ``resume_from_checkpoint`` also resumes a universal one in it, or
+names the tag directory itself (:mod:`.hf_resume`); ``save_model`` writes the HF format
 (:func:`deepshard.integrations.hf_save.save_pretrained`, from any stage).
 
 Ulysses sequence parallelism (ALST), asked for by the config's ``sequence_parallel_size``
@@ -46,6 +47,7 @@ from accelerate import Accelerator
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 
 from deepshard.errors import UsageError
+from deepshard.integrations import hf_resume
 from deepshard.integrations.hf_auto import HfTrainerDeepShardConfig, check_parallelism_config
 
 logger = logging.getLogger("deepshard")
@@ -153,6 +155,7 @@ class Trainer(transformers.Trainer):
         _created_lr_scheduler: bool
         _engine_steps: int | None
         _sp_groups: Any
+        _resume_tag: str | None
 
     # -- setup ---------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -170,6 +173,16 @@ class Trainer(transformers.Trainer):
                 self.args.parallelism_config = pc
         if self.is_deepshard_enabled:
             self.accelerator.__class__ = _EngineAccelerator
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None):
+        """transformers' ``train``; ``resume_from_checkpoint`` may also name the engine's tag
+        directory inside a ``checkpoint-N`` (a universal one, say) (:mod:`.hf_resume`)."""
+        self._resume_tag = None
+        if self.is_deepshard_enabled and isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint, self._resume_tag = hf_resume.checkpoint_folder(
+                os.fspath(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     @property
     def deepshard_config(self) -> HfTrainerDeepShardConfig:
@@ -192,7 +205,9 @@ class Trainer(transformers.Trainer):
         if self._sp_groups is not None:
             train_dataloader = self._sequence_parallel_loader(train_dataloader)
         if resume_from_checkpoint is not None:
-            self._load_engine_checkpoint(resume_from_checkpoint)
+            tag = getattr(self, "_resume_tag", None) or \
+                hf_resume.universal_only_tag(resume_from_checkpoint)
+            self._load_engine_checkpoint(resume_from_checkpoint, tag)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
@@ -391,17 +406,18 @@ class Trainer(transformers.Trainer):
                            os.path.join(output_dir, SCHEDULER_NAME))
         return None
 
-    def _load_engine_checkpoint(self, checkpoint: str) -> None:
+    def _load_engine_checkpoint(self, checkpoint: str, tag: str | None = None) -> None:
         """transformers' ``deepspeed_load_checkpoint``: the engine resumes model, optimizer
-        and scheduler (at any world size: deepshard reshards)."""
+        and scheduler (at any world size: deepshard reshards), from ``tag`` when given."""
         path, _ = self.deepspeed.load_checkpoint(
-            checkpoint, load_module_strict=not _is_peft(self.model),
+            checkpoint, tag=tag, load_module_strict=not _is_peft(self.model),
             load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise UsageError("no deepshard engine checkpoint in it",
                              where=f"resume_from_checkpoint={checkpoint}",
                              hint="pass a checkpoint-N directory written by this Trainer "
-                                  "with deepspeed= (it holds global_stepN/ and latest)")
+                                  "with deepspeed= (it holds global_stepN/ and latest, or "
+                                  "a universal folder and latest_universal)")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """The engine loaded its states; the Trainer's own scheduler loads here."""

@@ -24,8 +24,10 @@ from tests.helpers import ROOT, run_ds
 from tests.integrations.test_hf_trainer import (
     DEEPSPEED_CHECKPOINT,
     DEEPSPEED_RESUME,
+    UNIVERSAL_CASES,
     close,
     reference,
+    universal_checkpoints,
 )
 
 SCRIPTS = ROOT / "tests" / "integrations" / "scripts"
@@ -67,11 +69,13 @@ def trainer_job(tmp_path_factory) -> Path:
     the config's optimizer and scheduler sections (transformers' inference deepspeed_init);
     ``torch_compile=True`` at stages 0-3 (Accelerate calls ``engine.compile()``: inductor at
     stage 3, aot_eager, which traces the same graphs without generating code, below); the
-    HF checkpoint DeepSpeed 0.19.8 wrote resumed."""
+    HF checkpoint DeepSpeed 0.19.8 wrote resumed, as it is and converted to universal."""
     out = tmp_path_factory.mktemp("hf_native_trainer")
     shutil.copytree(DEEPSPEED_CHECKPOINT / "checkpoint-2", out / "ds_checkpoint-2")
+    universal_checkpoints(out)
     cases = ["s2 --stage 2",
              f"dsresumed {DEEPSPEED_RESUME} --resume {{out}}/ds_checkpoint-2",
+             *UNIVERSAL_CASES,
              "s3 --stage 3 --save_steps 3 --evaluate --save_model",
              "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
              "lora --stage 3 --lora --save_steps 3 --save_model",
@@ -107,6 +111,19 @@ def test_trainer_resumes_deepspeeds_checkpoint(trainer_job):
     assert resumed["steps"] == [3, 4]
     assert close(resumed["losses"], theirs["losses"][2:]), (resumed, theirs)
     assert close(resumed["grad_norms"], theirs["grad_norms"][2:]), (resumed, theirs)
+
+
+@pytest.mark.parametrize("case", ["universal", "universal3"])
+def test_trainer_resumes_deepspeeds_checkpoint_converted_to_universal(trainer_job, case):
+    """transformers' own ``deepspeed_load_checkpoint`` (it globs ``global_step*``) with
+    ``"checkpoint": {"load_universal": true}``: ``checkpoint-2/global_step2_universal``
+    resumes as ``global_step2`` does, beside it or alone at ZeRO-3 (where DeepSpeed 0.19.8
+    fails: its stage 3 asserts on ``zero_pp_rank_*_model_states.pt``, which a universal
+    folder converted from ZeRO-2 does not hold)."""
+    plain, resumed = read(trainer_job / "dsresumed"), read(trainer_job / case)
+    assert resumed["steps"] == [3, 4]
+    assert close(resumed["losses"], plain["losses"]), (resumed, plain)
+    assert close(resumed["grad_norms"], plain["grad_norms"]), (resumed, plain)
 
 
 def test_trainer_checkpoints_resume_and_save_in_hf_format(trainer_job):

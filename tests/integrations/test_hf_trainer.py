@@ -30,6 +30,30 @@ DEEPSPEED_RESUME = "--stage 2 --gas 1 --steps 4 --warmup 1"
 """The training that wrote the fixture (after COMMON: the script's defaults otherwise)."""
 
 
+UNIVERSAL_CASES = (
+    f"universal {DEEPSPEED_RESUME} --universal --resume {{out}}/universal-2",
+    "universal3 --stage 3 --gas 1 --steps 4 --warmup 1 --universal "
+    "--resume {out}/universalonly-2")
+"""Resumes of :func:`universal_checkpoints` with ``"checkpoint": {"load_universal": true}``
+that both HF paths run: the layout DeepSpeed's docs describe at the stage it was saved at,
+and the universal folder alone at ZeRO-3."""
+
+
+def universal_checkpoints(out: Path) -> None:
+    """The fixture's ``checkpoint-2`` after its user converted ``global_step2`` (``python -m
+    deepshard.runtime.checkpoint.universal``, DeepSpeed's ``ds_to_universal`` flags) into
+    ``global_step2_universal`` beside it: ``out/universal-2``; and with ``global_step2`` and
+    ``latest`` then deleted, the universal folder alone: ``out/universalonly-2``."""
+    from deepshard.runtime.checkpoint import universal
+
+    both, only = out / "universal-2", out / "universalonly-2"
+    shutil.copytree(DEEPSPEED_CHECKPOINT / "checkpoint-2", both)
+    universal.convert(both / "global_step2", both / "global_step2_universal")
+    shutil.copytree(both, only)
+    shutil.rmtree(only / "global_step2")
+    (only / "latest").unlink()
+
+
 def run_script(out: Path, *cases: str, world: int = 2, extra: tuple[str, ...] = ()) -> None:
     args = [a for case in cases for a in ("--case", case)]
     result = run_ds("--num_gpus", str(world), str(SCRIPT), *COMMON, *extra,
@@ -47,11 +71,18 @@ def job(tmp_path_factory) -> Path:
     stage 3 resumed from its checkpoint-3, stage 3 with ``evaluate()`` before ``train()``, a
     LoRA adapter at stage 3 (checkpoints without the frozen base) and its resume, stage 2
     with ``load_best_model_at_end``; and the HF Trainer checkpoint DeepSpeed 0.19.8 wrote
-    (``tests/data/deepspeed_checkpoints/hf_trainer_zero2``) resumed."""
+    (``tests/data/deepspeed_checkpoints/hf_trainer_zero2``) resumed, as it is and converted
+    to universal (:func:`universal_checkpoints`): with ``load_universal``, at ZeRO-3,
+    without the key when the universal folder is the only one, and named itself."""
     out = tmp_path_factory.mktemp("hf_trainer")
     shutil.copytree(DEEPSPEED_CHECKPOINT / "checkpoint-2", out / "ds_checkpoint-2")
+    universal_checkpoints(out)
     run_script(out, "s0 --stage 0", "s1 --stage 1", "s2 --stage 2",
                f"dsresumed {DEEPSPEED_RESUME} --resume {{out}}/ds_checkpoint-2",
+               *UNIVERSAL_CASES,
+               f"universalnoflag {DEEPSPEED_RESUME} --resume {{out}}/universalonly-2",
+               f"universaltag {DEEPSPEED_RESUME} "
+               "--resume {out}/universalonly-2/global_step2_universal",
                "s3 --stage 3 --save_steps 3 --evaluate --save_model",
                "s3resumed --stage 3 --resume {out}/s3/run/checkpoint-3",
                "s3evalfirst --stage 3 --eval_first",
@@ -163,11 +194,63 @@ def test_resume_from_deepspeeds_checkpoint_continues_as_deepspeed_did(job):
     assert resumed["lrs"] == pytest.approx(theirs["lrs"][2:], rel=1e-9)
 
 
-def test_resume_at_world_1_from_a_world_2_checkpoint(job):
-    """Micro-batch 4 on one rank: the same global batches; the engine reshards."""
+@pytest.mark.parametrize("case", ["universal", "universal3", "universalnoflag",
+                                  "universaltag"])
+def test_resume_from_a_universal_checkpoint_continues_as_the_plain_resume(job, case):
+    """DeepSpeed's checkpoint converted to universal resumes as the checkpoint itself does
+    (``dsresumed``): with ``load_universal`` (beside ``global_step2``, or alone at ZeRO-3,
+    where DeepSpeed 0.19.8's universal load fails), without it when the universal folder is
+    the only one, and given as ``resume_from_checkpoint=checkpoint-2/global_step2_universal``
+    (transformers would look for ``trainer_state.json`` in it)."""
+    plain, resumed = read(job, "dsresumed"), read(job, case)
+    assert resumed["steps"] == [3, 4]
+    assert close(resumed["losses"], plain["losses"]), (resumed, plain)
+    assert close(resumed["grad_norms"], plain["grad_norms"]), (resumed, plain)
+    assert resumed["lrs"] == pytest.approx(plain["lrs"], rel=1e-9)
+
+
+def test_what_resume_from_checkpoint_resumes(tmp_path):
+    """The Trainer's state from the folder, the engine's from the tag it names or holds
+    alone; a folder without the Trainer's state is one line (transformers raises
+    ``FileNotFoundError`` for ``trainer_state.json``)."""
+    from deepshard.errors import UsageError, render
+    from deepshard.integrations import hf_resume
+
+    universal_checkpoints(tmp_path)
+    both, only = str(tmp_path / "universal-2"), str(tmp_path / "universalonly-2")
+    assert hf_resume.checkpoint_folder(only) == (only, None)
+    for tag in ("global_step2", "global_step2_universal"):
+        assert hf_resume.checkpoint_folder(f"{both}/{tag}") == (both, tag)
+    assert hf_resume.universal_only_tag(only) == "global_step2_universal"
+    assert hf_resume.universal_only_tag(both) is None  # latest names global_step2
+    for path in (tmp_path / "universal-2" / "global_step2_universal" / "zero", tmp_path):
+        with pytest.raises(UsageError) as info:
+            hf_resume.checkpoint_folder(str(path))
+        line = render(info.value)
+        assert "\n" not in line and "no trainer_state.json" in line and "HINT" in line
+
+
+@pytest.fixture(scope="module")
+def world1(job) -> Path:
+    """Resumes at world 1 (micro-batch 4: the same global batches; the engine reshards):
+    the stage-3 run's checkpoint-3, and DeepSpeed's world-2 ZeRO-2 checkpoint converted to
+    universal at ZeRO-3."""
     run_script(job / "w1", f"r --stage 3 --micro 4 --resume {job}/s3/run/checkpoint-3",
-               world=1)
-    resumed, whole = read(job / "w1", "r"), read(job, "s3")
+               f"universal --stage 3 --micro 4 --gas 1 --steps 4 --warmup 1 --universal "
+               f"--resume {job}/universalonly-2", world=1)
+    return job / "w1"
+
+
+def test_resume_at_world_1_from_a_universal_checkpoint(job, world1):
+    plain, resumed = read(job, "dsresumed"), read(world1, "universal")
+    assert resumed["steps"] == [3, 4]
+    assert close(resumed["losses"], plain["losses"]), (resumed, plain)
+    assert close(resumed["grad_norms"], plain["grad_norms"]), (resumed, plain)
+
+
+def test_resume_at_world_1_from_a_world_2_checkpoint(job, world1):
+    """Micro-batch 4 on one rank: the same global batches; the engine reshards."""
+    resumed, whole = read(world1, "r"), read(job, "s3")
     assert resumed["steps"] == [4, 5, 6]
     assert close(resumed["losses"], whole["losses"][3:]), (resumed, whole)
 

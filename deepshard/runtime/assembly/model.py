@@ -69,13 +69,17 @@ def prepare_model(model: torch.nn.Module, cfg: Any, zero: ZeroSpec, extensions: 
     return Prepared(module, excluded, replaced)
 
 
+@torch.no_grad()
 def place(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
-    """``model`` on ``device`` in the config's training dtype (fp16 / bf16 / as it is)."""
+    """``model`` on ``device``, its floating-point parameters in the config's training
+    dtype (fp16 / bf16 / as they are). Buffers keep their dtype, as DeepSpeed 0.19.8's
+    engine keeps them (an fp32 rotary ``inv_freq`` stays fp32)."""
     model = model.to(device)
-    if cfg.fp16.enabled:
-        model = model.half()
-    elif cfg.bf16.enabled:
-        model = model.bfloat16()
+    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    if dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     return model
 
 

@@ -24,7 +24,7 @@ from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import UsageAssertionError, UsageError, UsageValueError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position
-from deepshard.runtime.checkpoint import ds_files, from_deepspeed, universal
+from deepshard.runtime.checkpoint import ds_files, from_deepspeed, to_deepspeed, universal
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint import model_parallel as mp
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, aliases, read_by_name
@@ -49,6 +49,22 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
                          hint="let deepshard split the model (pipeline / tensor_parallel "
                               "config sections), or save the module yourself")
     heartbeat(engine.global_steps)
+    if engine._config.checkpoint.format == "deepspeed":
+        to_deepspeed.save(engine, save_dir, tag, client_state, save_latest, exclude)
+    else:
+        _save_own(engine, save_dir, tag, client_state, save_latest, exclude)
+    if engine.global_rank == 0:
+        _write_converter(save_dir)
+    heartbeat(engine.global_steps)
+    checkpoint_saved(engine.global_steps)  # complete on every rank: ds-run may grow now
+    return True
+
+
+def _save_own(engine, save_dir, tag: str, client_state, save_latest: bool,
+              exclude: bool) -> None:
+    """deepshard's own format (:mod:`.format`): a manifest, a shared file, a rank file
+    per rank."""
+    topology = engine.topology
     strategy = engine.strategy
     with strategy.materialized(engine.optimizer):
         own: dict[str, object] = {"rng": fmt.rng_states()}
@@ -65,11 +81,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         shared = _shared(engine, cast(dict, model), client_state) if rank0 else None
         fmt.save(save_dir, _manifest(engine, tag, exclude), rank=engine.global_rank,
                  shared=shared, own=own, agree=engine.agree, save_latest=save_latest)
-    if engine.global_rank == 0:
-        _write_converter(save_dir)
-    heartbeat(engine.global_steps)
-    checkpoint_saved(engine.global_steps)  # complete on every rank: ds-run may grow now
-    return True
 
 
 def _same_place_everywhere(engine, save_dir, tag: str) -> str:
@@ -227,21 +238,19 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
     """A DeepSpeed checkpoint (:mod:`.from_deepspeed`) or a universal one
     (:mod:`.universal`) loaded as deepshard's own are; the client state returned is what
     DeepSpeed's load returns."""
-    if engine.topology is not None:
-        raise UsageError("a DeepSpeed or universal checkpoint loads into a data-parallel "
-                         "job only (no pipeline or tensor parallelism) for now",
-                         where=str(path),
-                         hint="load it into a data-parallel job, save it with deepshard, "
-                              "and load that one: deepshard reshards its own checkpoints "
-                              "into any pipeline / tensor layout")
-    if universal.is_universal_tag(path):
+    universal_tag = universal.is_universal_tag(path)
+    _check_model_parallel(engine, path, universal_tag)
+    if universal_tag:
         loaded = universal.read(path, _needed(engine))
     else:
         loaded = from_deepspeed.read(path, engine.strategy.optimizer_groups,
                                      frozenset(frozen_names(engine.module)), _needed(engine))
+    if engine.topology is not None:
+        _this_stage(engine, loaded.by_name)
     load_optimizer = load_optimizer_states and not load_module_only
     if load_optimizer:
         from_deepspeed.check_optimizer(loaded.top, path)
+        from_deepspeed.check_optimizer_read(loaded)
     with engine.strategy.materialized(engine.optimizer):
         _restore_model(engine, loaded.by_name, loaded.shared, load_module_strict=strict,
                        load_optimizer=load_optimizer, manifest=loaded.manifest, path=path)
@@ -251,6 +260,34 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
     engine.barrier()
     return str(path), from_deepspeed.client_state(loaded.top, load_optimizer,
                                                   load_lr_scheduler_states)
+
+
+def _check_model_parallel(engine, path: Path, universal_tag: bool) -> None:
+    """A DeepSpeed checkpoint loads into a pipeline job (its parameters are named by global
+    layer index, every stage's are in the checkpoint); a universal one, and either into
+    a tensor-parallel job, not."""
+    topology = engine.topology
+    if topology is None or (topology.tensor == 1 and not universal_tag):
+        return
+    what = "a universal checkpoint" if universal_tag else "a DeepSpeed checkpoint"
+    raise UsageError(f"{what} loads into a data-parallel or pipeline job only (no tensor "
+                     "parallelism) for now", where=str(path),
+                     hint="load it into such a job, save it with deepshard, and load that "
+                          "one: deepshard reshards its own checkpoints into any pipeline / "
+                          "tensor layout")
+
+
+def _this_stage(engine, by_name: ByName) -> None:
+    """Keep of ``by_name`` what this pipeline stage's module holds, dropping what another
+    stage holds (names no stage holds stay: unexpected). Collective."""
+    mine = set(engine.module.state_dict())
+    everyone: list[set[str] | None] = [None] * engine.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    elsewhere = set().union(*(cast(set, e) for e in everyone)) - mine
+    for table in (by_name.values, by_name.state, by_name.scalars):
+        for name in elsewhere & set(table):
+            del table[name]
+    by_name.present -= elsewhere
 
 
 def _same_world_and_stage(engine, manifest: fmt.Manifest) -> bool:

@@ -72,10 +72,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_file(obj: object, path: Path) -> None:
+def _save_file(obj: object, path: Path, pickle_module: Any = None) -> None:
     try:
         with open(path, "wb") as f:
-            torch.save(obj, f)
+            if pickle_module is None:
+                torch.save(obj, f)
+            else:
+                torch.save(obj, f, pickle_module=pickle_module)
             f.flush()
             os.fsync(f.fileno())
     except RuntimeError as exc:  # torch's writer reports the OSError it met as this
@@ -113,8 +116,22 @@ def save(save_dir: str | os.PathLike, manifest: Manifest, *, rank: int,
             permission, a read-only file system): one line naming the path and the cause.
             The partial directory is removed; the previous checkpoint stays loadable.
     """
+    files: dict[str, object] = {rank_file(rank): dict(own)}
+    if rank == 0 and shared is not None:
+        files[SHARED_FILE] = dict(shared)
+    return write_tag(save_dir, manifest.tag, rank=rank, files=files, agree=agree,
+                     save_latest=save_latest, manifest=manifest)
+
+
+def write_tag(save_dir: str | os.PathLike, tag: str, *, rank: int,
+              files: Mapping[str, object], agree: Agree, save_latest: bool = True,
+              manifest: Manifest | None = None, pickle_module: Any = None) -> Path:
+    """Write one tag directory collectively and atomically: every rank writes its
+    ``files`` (name → object, ``torch.save``-d with ``pickle_module`` if given) into a
+    partial directory; rank 0 then writes ``manifest`` (if any), swaps the directory in
+    and points ``latest`` at it (unless ``save_latest`` is false). Errors as :func:`save`."""
     root = Path(save_dir)
-    final, partial = root / manifest.tag, root / f".{manifest.tag}.partial"
+    final, partial = root / tag, root / f".{tag}.partial"
 
     def start() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -122,13 +139,12 @@ def save(save_dir: str | os.PathLike, manifest: Manifest, *, rank: int,
         partial.mkdir()
 
     def write() -> None:
-        _save_file(dict(own), partial / rank_file(rank))
-        if rank == 0 and shared is not None:
-            _save_file(dict(shared), partial / SHARED_FILE)
+        for name, obj in files.items():
+            _save_file(obj, partial / name, pickle_module)
 
     _step(agree, start if rank == 0 else None, root, partial, rank)
     _step(agree, write, partial, partial, rank)
-    _step(agree, (lambda: _commit(root, final, partial, manifest, save_latest))
+    _step(agree, (lambda: _commit(root, final, partial, tag, manifest, save_latest))
           if rank == 0 else None, final, partial, rank)
     return final
 
@@ -163,13 +179,13 @@ def _os_error(exc: BaseException) -> OSError | None:
     return seen
 
 
-def _commit(root: Path, final: Path, partial: Path, manifest: Manifest,
+def _commit(root: Path, final: Path, partial: Path, tag: str, manifest: Manifest | None,
             save_latest: bool) -> None:
-    text = json.dumps(asdict(manifest), indent=2)
-    with open(partial / MANIFEST, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    if manifest is not None:
+        with open(partial / MANIFEST, "w") as f:
+            f.write(json.dumps(asdict(manifest), indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
     _fsync_dir(partial)
     if final.exists():
         # one atomic swap: at every instant either the old or the new tag is complete
@@ -183,7 +199,7 @@ def _commit(root: Path, final: Path, partial: Path, manifest: Manifest,
         return
     tmp = root / f".{LATEST}.tmp"
     with open(tmp, "w") as f:
-        f.write(manifest.tag)
+        f.write(tag)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)

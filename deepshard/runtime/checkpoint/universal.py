@@ -28,7 +28,7 @@ import torch
 
 from deepshard.contract import DEEPSHARD_VERSION, DEEPSPEED_VERSION
 from deepshard.errors import EXIT_USAGE, UsageError, render
-from deepshard.runtime.checkpoint import ds_files, from_deepspeed
+from deepshard.runtime.checkpoint import ds_files, ds_partitions, from_deepspeed
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, read_by_name
 
@@ -109,7 +109,7 @@ def read(tag_dir: Path, need: Needed | None = None) -> from_deepspeed.Loaded:
     out.present.update(out.values)
     stage = int(getattr(common.get("zero_stage"), "value", common.get("zero_stage")) or 0)
     return from_deepspeed.loaded(tag_dir, top, out, stage, common.get("param_groups") or [],
-                                 from_deepspeed.scaler_state(common.get("loss_scaler"), common),
+                                 ds_partitions.scaler_state(common.get("loss_scaler"), common),
                                  found)
 
 
@@ -136,13 +136,14 @@ def convert(input_folder: str | os.PathLike, output_folder: str | os.PathLike,
     ``output_folder``, and point ``latest_universal`` beside it at it.
 
     Raises:
-        UsageError: not a checkpoint, or a deepshard checkpoint split over pipeline /
-            tensor-parallel ranks (not yet converted).
+        UsageError: not a checkpoint, or one split over pipeline / tensor-parallel ranks
+            or holding MoE experts (not yet converted).
     """
     src, out = Path(input_folder), Path(output_folder)
     if fmt.read_manifest(src) is not None:
         by_name, common, models = _from_deepshard(src)
     elif src.is_dir() and ds_files.is_deepspeed_tag(src):
+        _check_data_parallel(ds_files.files(src))
         loaded = from_deepspeed.read(src)
         by_name, models = loaded.by_name, list(ds_files.files(src).model)
         common = _common_from_deepspeed(src, loaded)
@@ -190,6 +191,16 @@ def convert(input_folder: str | os.PathLike, output_folder: str | os.PathLike,
     return out
 
 
+def _check_data_parallel(found: ds_files.Files) -> None:
+    if found.stages or found.experts:
+        what = "pipeline" if found.stages else "MoE"
+        raise UsageError(f"a DeepSpeed {what} checkpoint is not converted to universal yet",
+                         where=str(found.tag_dir),
+                         hint="deepshard loads it as it is (engine.load_checkpoint), at any "
+                              "pipeline / expert-parallel layout; consolidate it with "
+                              "zero_to_fp32 for a single state dict")
+
+
 def _save(path: Path, value: object) -> None:
     # a view would save its whole flat partition: each file gets its own storage
     if isinstance(value, dict):
@@ -211,7 +222,7 @@ def _common_from_deepspeed(src: Path, loaded: from_deepspeed.Loaded) -> dict:
                            "param_slice_mappings", "fp32_flat_groups", "loss_scaler",
                            "optimizer_state_dict")}
     common["param_groups"] = groups
-    common.update(from_deepspeed.scaler_state(inner.get("loss_scaler"), inner) or {})
+    common.update(ds_partitions.scaler_state(inner.get("loss_scaler"), inner) or {})
     return common
 
 

@@ -179,7 +179,8 @@ def _existing(path: Path) -> str:
 def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
     """The files holding each rank's part of the optimizer state, in rank order: the
     rank files (``rank_00000.pt``...) of a ZeRO checkpoint, where DeepSpeed has its
-    ``*_optim_states.pt``. ``checkpoint_dir`` is a tag directory or a save directory
+    ``*_optim_states.pt`` (a pipeline's stage by stage, an MoE model's ``expp_rank_*``
+    last). ``checkpoint_dir`` is a tag directory or a save directory
     (then the tag ``latest`` names).
 
     Raises:
@@ -190,11 +191,13 @@ def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
     ds_tag = _deepspeed_tag(checkpoint_dir)
     if ds_tag is not None:
         found = ds_files.files(ds_tag)
-        if not found.optim:
+        optim = [p for s in found.stages or (found,) for p in s.optim] + \
+            list(found.expert_optim)
+        if not optim:
             raise CheckpointFileNotFoundError(
                 "a ZeRO stage 0 checkpoint has no per-rank optimizer files",
                 where=str(ds_tag), hint=f"the optimizer state is in {ds_files.model_file()}")
-        return [str(p) for p in found.optim]
+        return [str(p) for p in optim]
     tag_dir, manifest = _tag_dir(checkpoint_dir)
     if manifest.zero_stage == 0:
         raise CheckpointFileNotFoundError(

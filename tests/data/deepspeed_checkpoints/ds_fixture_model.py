@@ -63,3 +63,75 @@ def train_step(engine, step: int, rank: int, world: int) -> float:
     engine.backward(loss)
     engine.step()
     return float(loss)
+
+
+# -- the pipeline and MoE fixtures (``make_parallel_fixtures.py``) --------------------------
+PIPE_MICRO = 4  # 2 micro-batches of 4 samples per step and pipeline
+EXPERTS = 4
+
+
+def pipe_layers() -> list[torch.nn.Module]:
+    """The pipeline fixture's layers: 8 → 16 → 16 → 4 with ReLUs between (5 layers, the
+    parameters under their global index: ``0.weight``, ``2.bias``...)."""
+    return [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+            torch.nn.Linear(16, 4)]
+
+
+def pipe_config(stage: int) -> dict:
+    """The pipeline fixture's config: :func:`config` with 2 micro-batches per step."""
+    cfg = config(stage, False)
+    cfg["train_micro_batch_size_per_gpu"] = PIPE_MICRO
+    cfg["gradient_accumulation_steps"] = GLOBAL_BATCH // PIPE_MICRO
+    return cfg
+
+
+def pipe_batches(step: int, dp_rank: int, dp_world: int) -> list:
+    """The micro-batches one pipeline (data-parallel replica ``dp_rank``) trains on at
+    ``step``: its part of the global batch, cut into micro-batches of ``PIPE_MICRO``."""
+    x, y = batch(step, dp_rank, dp_world)
+    return [(x[i:i + PIPE_MICRO], y[i:i + PIPE_MICRO]) for i in range(0, len(x), PIPE_MICRO)]
+
+
+class MoENet(torch.nn.Module):
+    """8 → MoE(8, 4 experts of 8 → 16 → 8, top-1) → 4, built with ``moe_cls`` (DeepSpeed's
+    ``MoE`` or deepshard's, same signature). Dropless (no token is dropped at any world
+    size) and deterministic routing."""
+
+    def __init__(self, moe_cls: type, ep_size: int) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                     torch.nn.Linear(16, 8))
+        self.moe = moe_cls(8, expert, num_experts=EXPERTS, ep_size=ep_size, k=1,
+                           min_capacity=2, drop_tokens=False, use_rts=False)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+        return self.out(y), l_aux
+
+
+def moe_model(moe_cls: type, ep_size: int, ep_rank: int) -> MoENet:
+    """The MoE fixture's model at ``ep_size`` for expert-parallel rank ``ep_rank``: seed 0,
+    every expert made different (by its global id)."""
+    torch.manual_seed(0)
+    net = MoENet(moe_cls, ep_size)
+    local = EXPERTS // ep_size
+    with torch.no_grad():
+        for i, expert in enumerate(net.moe.deepspeed_moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(ep_rank * local + i)
+            for p in expert.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return net
+
+
+def moe_train_step(engine, step: int, rank: int, world: int) -> float:
+    """:func:`train_step` for :class:`MoENet`. The load-balancing loss is left out: it is
+    computed over each rank's tokens, so with it the continuation would depend on how the
+    batch is split over ranks; without it it does not (nor on ``ep_size``)."""
+    x, y = batch(step, rank, world)
+    out, _ = engine(x)
+    loss = torch.nn.functional.mse_loss(out, y)
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())

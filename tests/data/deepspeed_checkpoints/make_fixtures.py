@@ -12,7 +12,8 @@ losses, the learning rates). ``universal_zero2`` is ``zero2_fp32`` converted by 
 ``ds_to_universal`` and resumed by DeepSpeed on one rank (``deepspeed_universal_resume.pt``;
 its right continuation is ``zero2_fp32/expected.pt``). ``hf_trainer_zero2`` is an HF
 Trainer ``checkpoint-2/`` folder written with DeepSpeed. ``version.json`` records the
-DeepSpeed and torch versions.
+DeepSpeed and torch versions. The pipeline and MoE cases come from the sibling
+``make_parallel_fixtures.py``.
 """
 
 from __future__ import annotations

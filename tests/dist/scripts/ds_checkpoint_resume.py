@@ -11,7 +11,14 @@ weights after each step, the learning rates, the counters and the client state.
 and converted to universal (see :func:`train`), for DeepSpeed to resume.
 ``ours:<case>`` (``<case>`` converted by deepshard's ``ds_to_universal`` on rank 0 into a
 temporary folder) load with ``checkpoint.load_universal``; both continue as
-``zero2_fp32`` / ``<case>`` did in DeepSpeed.
+``zero2_fp32`` / ``<case>`` did in DeepSpeed. ``written:<dir>``: a checkpoint ``train``
+wrote in DeepSpeed's layout (``checkpoint.format: "deepspeed"``), continued as
+``<dir>/expected.pt`` records.
+
+``train <out dir> <stage> [deepspeed] [bf16]``: ``deepspeed`` saves in DeepSpeed's layout
+(and converts nothing), ``bf16`` trains in bf16. ``save-deepspeed <root> <case>...``:
+``train`` of each fixture case's stage and precision (``zero2_bf16``...) into
+``<root>/<case>``, saved in DeepSpeed's layout.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ def _source(case: str, scratch: Path) -> tuple[Path, str, bool]:
     whether it is universal."""
     if case == "universal_zero2":
         return DATA / case / "ckpt", "zero2_fp32", True
+    if case.startswith("written:"):
+        root = Path(case.split(":", 1)[1])
+        return root / "ckpt", str(root), False
     if case.startswith("ours:"):
         from deepshard.runtime.checkpoint.universal import convert
 
@@ -74,6 +84,7 @@ def resume(case: str, stage: int, scratch: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     load_dir, base, universal = _source(case, scratch)
     expected = torch.load(DATA / base / "expected.pt", weights_only=False)
+    expected.setdefault("bf16", False)
     torch.manual_seed(123)  # other initial values than DeepSpeed's: the load must set them
     model = fm.Net()
     cfg = fm.config(stage, expected["bf16"])
@@ -94,10 +105,11 @@ def resume(case: str, stage: int, scratch: Path) -> dict:
     return out
 
 
-def train(out: Path, stage: int) -> None:
+def train(out: Path, stage: int, deepspeed_layout: bool = False, bf16: bool = False) -> None:
     """deepshard trains the fixture model from seed 0 at ``stage`` for the steps before the
-    save, saves its checkpoint (``out/ckpt``), records what DeepSpeed's fixtures record
-    (``out/expected.pt``) over 3 more steps, and converts the checkpoint to universal
+    save, saves its checkpoint (``out/ckpt``; in DeepSpeed's layout with
+    ``deepspeed_layout``), records what DeepSpeed's fixtures record (``out/expected.pt``)
+    over 3 more steps, and (deepshard's format) converts the checkpoint to universal
     (``out/universal/global_step2_universal``) on rank 0."""
     from deepshard.runtime.checkpoint.universal import convert
 
@@ -105,8 +117,11 @@ def train(out: Path, stage: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = fm.Net()
+    cfg = fm.config(stage, bf16)
+    if deepspeed_layout:
+        cfg["checkpoint"] = {"format": "deepspeed"}
     engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(),
-                                      config=fm.config(stage, False))
+                                      config=cfg)
     for step in range(fm.SAVE_AT):
         fm.train_step(engine, step, rank, world)
     engine.save_checkpoint(str(out / "ckpt"), client_state={"epoch": 3})
@@ -116,15 +131,24 @@ def train(out: Path, stage: int) -> None:
         after.append(fp32_weights(engine))
         lrs.append(engine.get_lr()[0])
     if rank == 0:
-        torch.save({"at_save": at_save, "after": after, "lrs": lrs}, out / "expected.pt")
-        convert(out / "ckpt" / "global_step2", out / "universal" / "global_step2_universal")
+        torch.save({"at_save": at_save, "after": after, "lrs": lrs, "bf16": bf16},
+                   out / "expected.pt")
+        if not deepspeed_layout:
+            convert(out / "ckpt" / "global_step2", out / "universal" / "global_step2_universal")
     dist.barrier()
 
 
 def main() -> None:
+    if "save-deepspeed" in sys.argv:
+        at = sys.argv.index("save-deepspeed")
+        root = Path(sys.argv[at + 1])
+        for case in sys.argv[at + 2:]:  # zero<stage>_<fp32|bf16>
+            train(root / case, int(case[4]), True, case.endswith("bf16"))
+        return
     if "train" in sys.argv:
         at = sys.argv.index("train")
-        train(Path(sys.argv[at + 1]), int(sys.argv[at + 2]))
+        train(Path(sys.argv[at + 1]), int(sys.argv[at + 2]), "deepspeed" in sys.argv,
+              "bf16" in sys.argv)
         return
     args = sys.argv[sys.argv.index("resume") + 2:]
     scratch = Path(sys.argv[sys.argv.index("resume") + 1])

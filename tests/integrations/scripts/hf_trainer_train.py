@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
                    help="evaluate() without training (transformers' inference deepspeed_init)")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
+    p.add_argument("--universal", action="store_true",
+                   help='"checkpoint": {"load_universal": true} in the config')
     p.add_argument("--save_model", action="store_true")
     p.add_argument("--evaluate", action="store_true")
     p.add_argument("--out_dir", required=True)
@@ -84,6 +86,8 @@ def ds_config(args) -> dict:
                               "stage3_prefetch_bucket_size": "auto",
                               "stage3_param_persistence_threshold": "auto"},
     }
+    if args.universal:
+        config["checkpoint"] = {"load_universal": True}
     if args.config_optim:
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}

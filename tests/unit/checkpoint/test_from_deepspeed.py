@@ -100,17 +100,6 @@ def test_client_state_is_what_deepspeed_returns():
     assert "lr_scheduler" in from_deepspeed.client_state(loaded.top, True, False)
 
 
-def test_pipeline_and_expert_files_are_refused_in_one_line(tmp_path):
-    _, tag = _copy("zero0_fp32", tmp_path)
-    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "layer_01-model_00-model_states.pt")
-    with pytest.raises(UsageError, match="pipeline layer files"):
-        from_deepspeed.read(tag)
-    (tag / "layer_01-model_00-model_states.pt").rename(
-        tag / "layer_0_expert_0_mp_rank_00_model_states.pt")
-    with pytest.raises(UsageError, match="MoE expert files"):
-        from_deepspeed.read(tag)
-
-
 def test_tensor_parallel_ranks_are_refused(tmp_path):
     _, tag = _copy("zero0_fp32", tmp_path)
     shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
