@@ -181,8 +181,10 @@ class CheckpointConfig(Section):
                               one_of("Ignore", "Warn", "Fail", case_insensitive=True)] = doc(
         "What to do when ranks save under different tags: Ignore, Warn or Fail (any letter "
         "case).", default="Warn")
-    load_universal: Bool = doc("Load a universal (world-size independent) checkpoint.",
-                               default=False)
+    load_universal: Bool = doc(
+        "Load a universal (world-size independent) checkpoint: latest_universal before "
+        "latest. Without it a universal folder still loads where it is the only "
+        "checkpoint there, or is named by tag.", default=False)
     use_node_local_storage: Bool = doc("Each node writes to its own storage (one rank per "
                                        "node saves the shared files).", default=False)
     parallel_write: ParallelWriteConfig = doc("Parallel checkpoint writing options.",

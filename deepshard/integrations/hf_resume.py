@@ -5,13 +5,11 @@ transformers' Trainer resumes a ``checkpoint-N/`` folder: its own files
 (``trainer_state.json``, ``scheduler.pt``, ``rng_state_*.pth``) plus the engine's
 checkpoint, which ``engine.load_checkpoint(folder)`` finds through ``latest`` (or, with the
 config's ``checkpoint.load_universal``, ``latest_universal``). Two more ways a user points
-at a checkpoint are taken here, where DeepSpeed's Trainer path fails:
-
-- the tag directory itself (``checkpoint-N/global_stepN_universal``, or ``global_stepN``):
-  the Trainer's state is its folder's, the engine loads that tag;
-- a ``checkpoint-N/`` whose only engine checkpoint is a universal one (``global_stepN``
-  converted with ``ds_to_universal`` and then removed) while the config does not set
-  ``load_universal``: there is nothing else to resume, so that one loads.
+at a checkpoint are taken, where DeepSpeed's Trainer path fails: the tag directory itself
+(``checkpoint-N/global_stepN_universal``, or ``global_stepN``; here: the Trainer's state is
+its folder's, the engine loads that tag), and a ``checkpoint-N/`` whose only engine
+checkpoint is a universal one while the config does not set ``load_universal`` (the
+engine's load finds it: there is nothing else to resume).
 """
 
 from __future__ import annotations
@@ -49,24 +47,6 @@ def checkpoint_folder(path: str) -> tuple[str, str | None]:
                      hint="pass the checkpoint-N folder the Trainer saved (it holds "
                           "trainer_state.json and global_stepN/), or a global_stepN or "
                           "universal tag directory inside it")
-
-
-def universal_only_tag(folder: str) -> str | None:
-    """The universal tag ``latest_universal`` names in ``folder`` when ``latest`` names no
-    tag there (the folder's only engine checkpoint is universal), else ``None``."""
-    root = Path(folder)
-    try:
-        latest = (root / ds_files.LATEST).read_text().strip()
-    except OSError:
-        latest = ""
-    if latest and "/" not in latest and (root / latest).is_dir():
-        return None
-    found = universal.find_tag(root, None)
-    if found is None:
-        return None
-    logger.info("%s holds no checkpoint besides the universal %s: resuming that one",
-                folder, found.name)
-    return found.name
 
 
 def _is_tag(path: Path) -> bool:

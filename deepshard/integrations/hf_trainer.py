@@ -205,9 +205,8 @@ class Trainer(transformers.Trainer):
         if self._sp_groups is not None:
             train_dataloader = self._sequence_parallel_loader(train_dataloader)
         if resume_from_checkpoint is not None:
-            tag = getattr(self, "_resume_tag", None) or \
-                hf_resume.universal_only_tag(resume_from_checkpoint)
-            self._load_engine_checkpoint(resume_from_checkpoint, tag)
+            self._load_engine_checkpoint(resume_from_checkpoint,
+                                         getattr(self, "_resume_tag", None))
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))

@@ -113,13 +113,14 @@ def test_trainer_resumes_deepspeeds_checkpoint(trainer_job):
     assert close(resumed["grad_norms"], theirs["grad_norms"][2:]), (resumed, theirs)
 
 
-@pytest.mark.parametrize("case", ["universal", "universal3"])
+@pytest.mark.parametrize("case", ["universal", "universal3", "universalnoflag"])
 def test_trainer_resumes_deepspeeds_checkpoint_converted_to_universal(trainer_job, case):
     """transformers' own ``deepspeed_load_checkpoint`` (it globs ``global_step*``) with
     ``"checkpoint": {"load_universal": true}``: ``checkpoint-2/global_step2_universal``
     resumes as ``global_step2`` does, beside it or alone at ZeRO-3 (where DeepSpeed 0.19.8
     fails: its stage 3 asserts on ``zero_pp_rank_*_model_states.pt``, which a universal
-    folder converted from ZeRO-2 does not hold)."""
+    folder converted from ZeRO-2 does not hold); and alone without the key (DeepSpeed
+    0.19.8 + transformers: ``failed to resume from checkpoint``)."""
     plain, resumed = read(trainer_job / "dsresumed"), read(trainer_job / case)
     assert resumed["steps"] == [3, 4]
     assert close(resumed["losses"], plain["losses"]), (resumed, plain)

@@ -203,10 +203,14 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     ds_tag = universal.find_tag(load_dir, named) \
         if engine._config.checkpoint.load_universal else None
     ds_tag = ds_tag or ds_files.find_tag(load_dir, named)
+    manifest = None
+    if ds_tag is None:
+        manifest = fmt.resolve_tag(load_dir, None if tag is None else fmt.check_tag(tag))
+        if manifest is None:  # nothing else here: a universal folder loads by its files
+            ds_tag = universal.find_tag(load_dir, named)
     if ds_tag is not None:
         return _load_deepspeed(engine, ds_tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
-    manifest = fmt.resolve_tag(load_dir, None if tag is None else fmt.check_tag(tag))
     if manifest is None:
         if engine.global_rank == 0:
             logger.warning("no complete checkpoint in %s: starting from scratch", load_dir)
