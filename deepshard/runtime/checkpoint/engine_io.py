@@ -330,7 +330,9 @@ def _restore_shards(engine, entries: list[dict], shared: dict, load_module_stric
     values = shared["module"]
     module.load_state_dict({k: values[k] for k in want - owned if k in values}, strict=False)
     saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
-    strategy.restore_same_layout(engine.optimizer, entries, load_optimizer, saved_groups)
+    strategy.restore_same_layout(
+        engine.optimizer, entries, load_optimizer, saved_groups,
+        lambda rank: fmt.load_file(path, fmt.rank_file(rank), mmap=True)["zero"])
     present = set(values)
     check_missing(module, (want - owned) - present, present - want - strategy.entry_names(),
                   load_module_strict, manifest, path)

@@ -30,6 +30,7 @@ from deepshard.comm import collectives as comm
 from deepshard.errors import UsageError
 from deepshard.runtime.checkpoint import ds_files, ds_layout, ds_pickle
 from deepshard.runtime.checkpoint import format as fmt
+from deepshard.runtime.checkpoint.by_name import aliases
 from deepshard.runtime.checkpoint.universal import WRITTEN_VERSION
 
 VALUES = ""
@@ -293,7 +294,7 @@ def _model(engine, client_state: Mapping | None, exclude_frozen: bool,
         "param_shapes": [s for s in shapes if s],
         "frozen_param_shapes": None if frozen is None else OrderedDict(
             (n, getattr(params[n], "ds_shape", None) or params[n].shape) for n in frozen),
-        "shared_params": _shared(module),
+        "shared_params": aliases(module),  # a tied parameter's other names → its first
         "frozen_param_fragments": None if frozen is None else OrderedDict(frozen),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "data_sampler": None,
@@ -308,18 +309,6 @@ def _model(engine, client_state: Mapping | None, exclude_frozen: bool,
         "ds_version": WRITTEN_VERSION,
         **dict(client_state or {}),
     }
-
-
-def _shared(module: torch.nn.Module) -> dict[str, str]:
-    """DeepSpeed's ``shared_params``: each further name of a tied parameter → its first."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return out
 
 
 def _hyper(optimizer, group: int) -> dict:

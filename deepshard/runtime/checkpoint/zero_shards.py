@@ -20,7 +20,10 @@ The functions take the ZeRO strategy (its ``groups`` of flat parameters and its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, copy_scalars
 from deepshard.runtime.zero.partition import pieces
@@ -126,22 +129,47 @@ def same_layout(zero, entries: list[dict]) -> bool:
 
 
 @torch.no_grad()
-def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool) -> None:
+def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool,
+             peer_entries: Callable[[int], list[dict]] | None = None) -> None:
     """Copy this rank's saved shards (:func:`same_layout` holds on every rank) into its
     flat groups and masters, and take their optimizer state tensors as they are (read
-    for this call: not copied again); replicated groups (stages 1-2) then gather every
-    rank's shard into their whole parameters. Collective."""
+    for this call: not copied again); replicated groups (stages 1-2) then fill their
+    whole parameters with every rank's shard: read from the other ranks' entries
+    (``peer_entries(global rank)``, memory-mapped: only their values are touched) where
+    given, which is faster than gathering them, else gathered. Collective."""
     steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
+    groups = [*zero.groups, *zero.frozen_groups]
     works = []
-    for g, t, e in zip([*zero.groups, *zero.frozen_groups], steps, entries, strict=True):
+    for g, t, e in zip(groups, steps, entries, strict=True):
         g.write_shard(e["values"][:g.spec.shard])
         if t is not None and t is not g.shard and t.numel():
             t.copy_(e["values"])
-        work = g.all_gather_replicated()
-        if work is not None:
-            works.append(work)
+        if peer_entries is None:
+            work = g.all_gather_replicated()
+            if work is not None:
+                works.append(work)
         if t is not None and load_optimizer and optimizer is not None and e["state"]:
             optimizer.state[t] = {**copy_scalars(e["scalars"]),
                                   **{k: v.contiguous() for k, v in e["state"].items()}}
+    if peer_entries is not None:
+        _fill_replicated(groups, peer_entries)
     for work in works:
         work.wait()
+
+
+def _fill_replicated(groups: list, peer_entries: Callable[[int], list[dict]]) -> None:
+    """Each replicated group's whole buffer from every rank's saved shard, one rank's
+    file at a time (its mapping dropped before the next)."""
+    replicated = [k for k, g in enumerate(groups) if not g.partitioned and g.spec.world > 1]
+    if not replicated:
+        return
+    first = groups[replicated[0]]
+    for r in range(first.spec.world):
+        if r == first.rank:  # its shard is a view of its buffer, written already
+            continue
+        theirs = peer_entries(dist.get_global_rank(first.pg, r) if first.pg is not None else r)
+        for k in replicated:
+            g = groups[k]
+            lo, hi = g.spec.bounds(r)
+            g.full[lo:hi].copy_(theirs[k]["values"][:g.spec.shard])
+        del theirs

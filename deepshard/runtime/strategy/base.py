@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -204,9 +204,11 @@ class DataParallelStrategy(ABC):
 
     def restore_same_layout(self, optimizer: torch.optim.Optimizer | None,
                             entries: list[dict], load_optimizer: bool,
-                            saved_groups: list[dict]) -> None:
+                            saved_groups: list[dict],
+                            peer_entries: Callable[[int], list[dict]] | None = None) -> None:
         """Copy this rank's entries into its shards (when :meth:`same_layout` held on
-        every rank). Collective."""
+        every rank); ``peer_entries(rank)``: another rank's entries (memory-mapped), from
+        which replicated parameters may be filled instead of gathered. Collective."""
         raise NotImplementedError(type(self).__name__)
 
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:
