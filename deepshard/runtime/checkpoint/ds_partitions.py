@@ -114,10 +114,13 @@ def stage3(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[int
         for name, shape in group.items():
             n = math.prod(shape)
             part = math.ceil(n / world)
+            # a rank that asks for certain names (``need``) copies only its shards'
+            # slices of them: they stay pieces (:class:`Pieces`) until read
+            join = _joined if need is None else Pieces
             if need is None or name in need.values:
-                out.values[name] = _joined([f[off:off + part] for f in flats], n, shape)
+                out.values[name] = join([f[off:off + part] for f in flats], n, shape)
             if tensors and (need is None or name in need.state):
-                out.state[name] = {k: _joined([r[off:off + part] for r in ranks], n, shape)
+                out.state[name] = {k: join([r[off:off + part] for r in ranks], n, shape)
                                    for k, ranks in tensors.items()}
                 out.scalars[name] = dict(scalars)
             off += part
@@ -131,6 +134,66 @@ def stage3(optims: Sequence[Mapping], shapes: Sequence[Mapping[str, Sequence[int
 
 def _joined(pieces: Sequence[torch.Tensor], numel: int, shape: Sequence[int]) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in pieces])[:numel].view(tuple(shape))
+
+
+class Pieces:
+    """A stage 3 parameter's value or state tensor as its ranks' pieces (views of the
+    memory-mapped files), joined only where read: ``t.reshape(-1)[a:b]`` copies just the
+    pieces ``[a, b)`` spans (what a ZeRO shard takes of a parameter), and anything else
+    asked of it (``view_as``, ``float``...) is asked of the whole tensor, joined once.
+    A ZeRO-3 load so copies a rank's share of the checkpoint, not every parameter its
+    shards cut into, whole. Typed as a tensor where :class:`ByName` holds it."""
+
+    def __init__(self, pieces: Sequence[torch.Tensor], numel: int, shape: Sequence[int]):
+        self._pieces = [p.reshape(-1) for p in pieces]
+        self._numel = numel
+        self._shape = tuple(shape)
+        self._whole: torch.Tensor | None = None
+        self.dtype = self._pieces[0].dtype
+        self.shape = torch.Size(self._shape)
+
+    def numel(self) -> int:
+        return self._numel
+
+    def reshape(self, *shape: int) -> Any:
+        """``reshape(-1)``: itself, sliced by element range; else the whole tensor's."""
+        if shape in ((-1,), ((-1,),)):
+            return _FlatPieces(self)
+        return self.whole().reshape(*shape)
+
+    def span(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor, from the pieces they lie in."""
+        out, base = [], 0
+        for piece in self._pieces:
+            a, b = max(lo, base), min(hi, base + piece.numel(), self._numel)
+            if a < b:
+                out.append(piece[a - base:b - base])
+            base += piece.numel()
+        if not out:
+            return torch.empty(0, dtype=self.dtype)
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def whole(self) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = _joined(self._pieces, self._numel, self._shape)
+        return self._whole
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.whole(), name)
+
+
+class _FlatPieces:
+    def __init__(self, pieces: Pieces) -> None:
+        self._of = pieces
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        lo, hi, step = where.indices(self._of.numel())
+        if step != 1:
+            return self._of.whole().reshape(-1)[where]
+        return self._of.span(lo, hi)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._of.whole().reshape(-1), name)
 
 
 def scaler_state(scaler: Any, holder: Mapping) -> dict | None:
