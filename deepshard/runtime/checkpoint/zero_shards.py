@@ -86,6 +86,10 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
     for g, t in zip([*zero.groups, *zero.frozen_groups], steps, strict=True):
         fresh = torch.empty(g.spec.shard, dtype=torch.float32)
         state: dict[str, torch.Tensor] = {}
+        # the optimizer's own state tensors are filled in place where they fit: a load
+        # then needs no second copy of this rank's optimizer state
+        held = optimizer.state.get(t, {}) if load_optimizer and t is not None and \
+            optimizer is not None else {}
         found = [n in by_name.present for n in g.names]
         missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
         fresh.copy_(g.read_shard())
@@ -97,7 +101,7 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
                 fresh[dst] = by_name.values[name].reshape(-1)[src].float()
             for key, full in by_name.state.get(name, {}).items():
                 if key not in state:
-                    state[key] = torch.zeros(g.spec.shard, dtype=full.dtype)
+                    state[key] = _buffer(held.get(key), g.spec.shard, full.dtype)
                 state[key][dst] = full.reshape(-1)[src]
         g.write_shard(fresh)
         if t is None:  # frozen: no master, no optimizer state
@@ -113,6 +117,14 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
             # a fresh step counter per group: fused optimizers increment it in place
             optimizer.state[t] = {**copy_scalars(scal), **state}
     return missing
+
+
+def _buffer(held: object, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed shard-sized state tensor: ``held`` (the optimizer's own) where it fits."""
+    if isinstance(held, torch.Tensor) and held.dim() == 1 and held.numel() == size and \
+            held.dtype == dtype and held.device.type == "cpu":
+        return held.zero_()
+    return torch.zeros(size, dtype=dtype)
 
 
 def same_layout(zero, entries: list[dict]) -> bool:
