@@ -10,7 +10,7 @@ files are memory-mapped, so only those parts are read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ class ByName:
     scalars: dict[str, dict[str, object]] = field(default_factory=dict)
     # every parameter name the checkpoint holds (``values`` may keep only the needed ones)
     present: set[str] = field(default_factory=set)
+    # hands back the pages of the memory-mapped files read so far (:mod:`.mapped`)
+    release: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from deepshard.errors import UsageError
-from deepshard.runtime.checkpoint import ds_files, ds_parallel, ds_partitions, ds_positions
+from deepshard.runtime.checkpoint import (
+    ds_files,
+    ds_parallel,
+    ds_partitions,
+    ds_positions,
+    mapped,
+)
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, in_order
 
@@ -83,6 +89,7 @@ def read(tag_dir: Path, position_names: Sequence[Sequence[str]] | None = None,
             out = ds_partitions.stage12(optims, shapes, found, need, groups)
         for name, value in module.items():
             out.values.setdefault(name, value)
+        out.release = mapped.Release(optims)
         scaler = ds_partitions.scaler_state(optims[0].get("loss_scaler"), optims[0])
     for alias, canonical in (top.get("shared_params") or {}).items():
         if canonical in out.values:

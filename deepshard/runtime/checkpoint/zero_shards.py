@@ -103,6 +103,8 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
                 if key not in state:
                     state[key] = _buffer(held.get(key), g.spec.shard, full.dtype)
                 state[key][dst] = full.reshape(-1)[src]
+            if by_name.release is not None:
+                by_name.release()
         g.write_shard(fresh)
         if t is None:  # frozen: no master, no optimizer state
             continue
@@ -112,6 +114,8 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
             for name, p in zip(g.names, g.params, strict=True):
                 if name in by_name.values:
                     p.copy_(by_name.values[name].view_as(p))
+                    if by_name.release is not None:
+                        by_name.release()
         if load_optimizer and optimizer is not None and state:
             scal = next((by_name.scalars[n] for n in g.names if n in by_name.scalars), {})
             # a fresh step counter per group: fused optimizers increment it in place
