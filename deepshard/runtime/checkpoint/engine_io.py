@@ -24,7 +24,13 @@ from deepshard.contract import DEEPSHARD_VERSION as __version__
 from deepshard.errors import UsageAssertionError, UsageError, UsageValueError
 from deepshard.liveness import checkpoint_saved, heartbeat
 from deepshard.runtime import data_position
-from deepshard.runtime.checkpoint import ds_files, from_deepspeed, to_deepspeed, universal
+from deepshard.runtime.checkpoint import (
+    ds_files,
+    from_deepspeed,
+    mapped,
+    to_deepspeed,
+    universal,
+)
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint import model_parallel as mp
 from deepshard.runtime.checkpoint.by_name import ByName, Needed, aliases, read_by_name
@@ -302,14 +308,14 @@ def _same_world_and_stage(engine, manifest: fmt.Manifest) -> bool:
 
 
 def _own_file(engine, path: Path, manifest: fmt.Manifest) -> dict:
-    """This rank's own file ({} when the checkpoint has none for it), read once: eagerly
-    where its shards may be taken as they are (:func:`_own_shards` keeps the optimizer
-    state tensors it read), else memory-mapped (only the small parts are used)."""
+    """This rank's own file ({} when the checkpoint has none for it), read once and
+    memory-mapped: its shards are copied into the engine's own tensors
+    (:func:`_restore_shards`, which hands the pages back as it goes), or only its small
+    parts are used."""
     own_file = path / fmt.rank_file(engine.global_rank)
     if not own_file.exists():
         return {}
-    return fmt.load_file(path, own_file.name,
-                         mmap=not _same_world_and_stage(engine, manifest))
+    return fmt.load_file(path, own_file.name, mmap=True)
 
 
 def _own_shards(engine, own: dict, manifest: fmt.Manifest) -> list[dict] | None:
@@ -332,7 +338,8 @@ def _restore_shards(engine, entries: list[dict], shared: dict, load_module_stric
     saved_groups = (shared.get("optimizer") or {}).get("param_groups") or []
     strategy.restore_same_layout(
         engine.optimizer, entries, load_optimizer, saved_groups,
-        lambda rank: fmt.load_file(path, fmt.rank_file(rank), mmap=True)["zero"])
+        lambda rank: fmt.load_file(path, fmt.rank_file(rank), mmap=True)["zero"],
+        mapped.Release([entries]))
     present = set(values)
     check_missing(module, (want - owned) - present, present - want - strategy.entry_names(),
                   load_module_strict, manifest, path)

@@ -146,13 +146,15 @@ def same_layout(zero, entries: list[dict]) -> bool:
 
 @torch.no_grad()
 def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool,
-             peer_entries: Callable[[int], list[dict]] | None = None) -> None:
+             peer_entries: Callable[[int], list[dict]] | None = None,
+             release: Callable[[], None] | None = None) -> None:
     """Copy this rank's saved shards (:func:`same_layout` holds on every rank) into its
-    flat groups and masters, and take their optimizer state tensors as they are (read
-    for this call: not copied again); replicated groups (stages 1-2) then fill their
-    whole parameters with every rank's shard: read from the other ranks' entries
+    flat groups, masters and optimizer state (the optimizer's own state tensors, in
+    place, where they fit); replicated groups (stages 1-2) then fill their whole
+    parameters with every rank's shard: read from the other ranks' entries
     (``peer_entries(global rank)``, memory-mapped: only their values are touched) where
-    given, which is faster than gathering them, else gathered. Collective."""
+    given, which is faster than gathering them, else gathered. ``release``: hands back
+    the pages of ``entries``' memory-mapped file, called after each group. Collective."""
     steps = [*zero.stepper.step_tensors, *[None] * len(zero.frozen_groups)]
     groups = [*zero.groups, *zero.frozen_groups]
     works = []
@@ -165,12 +167,24 @@ def load_own(zero, optimizer, entries: list[dict], load_optimizer: bool,
             if work is not None:
                 works.append(work)
         if t is not None and load_optimizer and optimizer is not None and e["state"]:
+            held = optimizer.state.get(t, {})
             optimizer.state[t] = {**copy_scalars(e["scalars"]),
-                                  **{k: v.contiguous() for k, v in e["state"].items()}}
+                                  **{k: _filled(held.get(k), v) for k, v in e["state"].items()}}
+        if release is not None:
+            release()
     if peer_entries is not None:
         _fill_replicated(groups, peer_entries)
     for work in works:
         work.wait()
+
+
+def _filled(held: object, saved: torch.Tensor) -> torch.Tensor:
+    """``saved`` in the optimizer's own state tensor ``held`` where it fits, else a copy
+    of it (``saved`` may be a view of a memory-mapped file)."""
+    if isinstance(held, torch.Tensor) and held.shape == saved.shape and \
+            held.dtype == saved.dtype:
+        return held.copy_(saved)
+    return saved.clone(memory_format=torch.contiguous_format)
 
 
 def _fill_replicated(groups: list, peer_entries: Callable[[int], list[dict]]) -> None:

@@ -205,10 +205,13 @@ class DataParallelStrategy(ABC):
     def restore_same_layout(self, optimizer: torch.optim.Optimizer | None,
                             entries: list[dict], load_optimizer: bool,
                             saved_groups: list[dict],
-                            peer_entries: Callable[[int], list[dict]] | None = None) -> None:
+                            peer_entries: Callable[[int], list[dict]] | None = None,
+                            release: Callable[[], None] | None = None) -> None:
         """Copy this rank's entries into its shards (when :meth:`same_layout` held on
         every rank); ``peer_entries(rank)``: another rank's entries (memory-mapped), from
-        which replicated parameters may be filled instead of gathered. Collective."""
+        which replicated parameters may be filled instead of gathered; ``release``: hands
+        back the pages of the entries' memory-mapped file (:mod:`~deepshard.runtime.
+        checkpoint.mapped`). Collective."""
         raise NotImplementedError(type(self).__name__)
 
     def gather_groups(self) -> list[list[torch.nn.Parameter]]:

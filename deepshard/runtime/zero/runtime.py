@@ -178,8 +178,9 @@ class ZeroStrategy(DataParallelStrategy):
         return zero_shards.same_layout(self, entries)
 
     def restore_same_layout(self, optimizer, entries: list[dict], load_optimizer: bool,
-                            saved_groups: list[dict], peer_entries=None) -> None:
-        zero_shards.load_own(self, optimizer, entries, load_optimizer, peer_entries)
+                            saved_groups: list[dict], peer_entries=None,
+                            release=None) -> None:
+        zero_shards.load_own(self, optimizer, entries, load_optimizer, peer_entries, release)
         if load_optimizer and optimizer is not None:
             _take_hyperparameters(optimizer, saved_groups)
 
