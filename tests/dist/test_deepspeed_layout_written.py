@@ -90,6 +90,34 @@ def test_deepshard_resumes_them_anywhere(written, ranks, tmp_path):
             assert len(got["after"]) == 3 and max(got["after"]) < tol, (label, got)
 
 
+def test_four_ranks_partitions_reach_into_the_next_shard(tmp_path):
+    """At 4 ranks the fixture model's 212 trainable elements pad to 216 in DeepSpeed's
+    groups (2 × world) but 212 in deepshard's: each DeepSpeed partition takes the first
+    elements of the next rank's shard. The consolidated weights are the run's, and 2
+    ranks continue it as the run itself did."""
+    from deepshard.runtime.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    cases = ["zero1_fp32", "zero2_bf16"]
+    done = run_ds("--num_gpus", "4", SCRIPT, "save-deepspeed", str(tmp_path), *cases,
+                  timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in cases:
+        tag = tmp_path / case / "ckpt" / "global_step2"
+        optim = ds_files.load(tag / ds_files.optim_file(3, bf16="bf16" in case))
+        assert optim["optimizer_state_dict"]["group_paddings"] == [4]
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / case / "ckpt"))
+        want = torch.load(tmp_path / case / "expected.pt", weights_only=False)["at_save"]
+        assert all(torch.equal(weights[k].float(), want[k]) for k in want), case
+    args = [a for case in cases for a in (f"written:{tmp_path / case}", "2")]
+    result = run_ds("--num_gpus", "2", SCRIPT, "resume", str(tmp_path / "scratch"), *args,
+                    timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for _, (_, data) in tagged_json(result.stdout, "RESULT").items():
+        for key, got in data["results"].items():
+            assert got["at_save"] == 0.0, (key, got)
+            assert max(got["after"]) < (1e-3 if "bf16" in key else 1e-6), (key, got)
+
+
 def test_a_job_the_layout_cannot_hold_is_refused(one_rank_group, tmp_path):
     import deepshard
 

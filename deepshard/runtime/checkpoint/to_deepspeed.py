@@ -208,7 +208,11 @@ def _fill(zero, optimizer, plan: list[ds_layout.Partitioned], names: Mapping[int
         members = [names[id(p)] for p in g.params]
         kinds = {VALUES: t, **{key: v for key, v in state.items()
                                if torch.is_tensor(v) and v.dim() > 0}}
+        same = None if stage3 else _same_flat(g, members, plan, where)
         for kind, shard in kinds.items():
+            if same is not None:
+                _from_edges(parts[same], kind, shard, g, world, rank)
+                continue
             full = _gathered(shard, g, world)
             for j, name in enumerate(members):
                 if name in where:
@@ -221,6 +225,49 @@ def _fill(zero, optimizer, plan: list[ds_layout.Partitioned], names: Mapping[int
             if name in where and scalars:
                 parts[where[name][0]].scalars = dict(scalars)
     return parts
+
+
+def _same_flat(g, members: list[str], plan: list[ds_layout.Partitioned],
+               where: Mapping[str, tuple[int, int]]) -> int | None:
+    """The DeepSpeed group laid out as deepshard's flat group ``g`` (the same members in
+    the same order, no alignment padding), if any: then their partitions differ only
+    by the few elements at each edge."""
+    if not members or members[0] not in where:
+        return None
+    i, first = where[members[0]]
+    lay = plan[i]
+    same = first == 0 and list(lay.names) == members and not any(lay.paddings) and \
+        list(lay.offsets) == list(g.flat.offsets)
+    return i if same else None
+
+
+def _from_edges(part: Part, kind: str, shard: torch.Tensor, g, world: int, rank: int) -> None:
+    """This rank's DeepSpeed partition of a group laid out as deepshard's flat group
+    ``g`` (:func:`_same_flat`): its own shard and the first elements of the next ranks'.
+    DeepSpeed pads a group to ``2 × world`` elements, deepshard to ``world``: partition
+    ``r`` is ``[rP, (r+1)P)`` with ``P - S`` (``S`` deepshard's shard) 0 or 1, so it
+    reaches at most ``r + 1 ≤ world`` elements into shard ``r + 1`` (or, with shards
+    shorter than ``world``, whole ones). Collective: every rank gathers those heads."""
+    src = shard.detach().reshape(-1).cpu()
+    size = g.spec.shard
+    head = min(world, size)
+    heads = _gathered(src[:head], g, world).view(world, head) if world > 1 else src[None, :head]
+    lay = part.layout
+    out = part.buffer(kind, src)
+    for k in range(world):
+        lo, hi = max(lay.start, k * size), min(lay.start + lay.size, (k + 1) * size)
+        if lo >= hi:
+            continue
+        piece = src if k == rank else heads[k]
+        if hi - k * size > piece.numel():  # DeepSpeed's padding rule changed: a bug here
+            raise RuntimeError(f"DeepSpeed partition {rank} reaches {hi - k * size} "
+                               f"elements into shard {k}; {piece.numel()} gathered")
+        out[lo - lay.start:hi - lay.start] = piece[lo - k * size:hi - k * size]
+    if kind == VALUES:
+        for name, at, n in zip(lay.names, lay.offsets, lay.numels, strict=True):
+            lo, hi = max(at, lay.start), min(at + n, lay.start + lay.size)
+            if lo < hi:
+                part.fragments[name] = (hi - lo, lo - lay.start)
 
 
 def _gathered(shard: torch.Tensor, g, world: int) -> torch.Tensor:
