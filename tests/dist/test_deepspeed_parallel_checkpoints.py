@@ -7,7 +7,9 @@ parameters by global layer index), at other ``ep_size`` and world sizes and ZeRO
 (every layer and expert is a file of its own; optimizer state is read by name): the fp32
 weights equal DeepSpeed's at the save, the counters, schedule and client state come back,
 and 3 more steps equal DeepSpeed's own continuation within 1e-6. With
-``load_optimizer_states=False`` the weights load and nothing of the optimizer is needed."""
+``load_optimizer_states=False`` the weights load and nothing of the optimizer is needed.
+A universal folder made from the pipeline's checkpoint (through a plain data-parallel job
+of the same layers) loads into the 2-stage pipeline with ``checkpoint.load_universal``."""
 
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ DATA = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 PLANS = {
     2: ["pipe2_zero1:2:1", "pipe2_zero1:0:1", "pipe2_zero0:2:0", "pipe2_zero0:1:1",
         "moe_ep2_zero2:2:2", "moe_ep2_zero2:1:0", "moe_ep2_zero0:2:0", "moe_ep2_zero0:1:2",
-        "pipe2_zero1:2:0:noopt", "moe_ep2_zero0:2:1:noopt"],
+        "pipe2_zero1:2:0:noopt", "moe_ep2_zero0:2:1:noopt", "pipe2_zero1:2:1:universal"],
     4: ["pipe2_zero1:2:1", "pipe2_zero0:0:0", "moe_ep2_zero2:4:2", "moe_ep2_zero0:2:1"],
 }
 
 
 @pytest.mark.parametrize("ranks", sorted(PLANS))
-def test_pipeline_and_moe_checkpoints_resume_as_deepspeed_continued(ranks):
-    result = run_ds("--num_gpus", str(ranks), SCRIPT, *PLANS[ranks], timeout=300)
+def test_pipeline_and_moe_checkpoints_resume_as_deepspeed_continued(ranks, tmp_path):
+    result = run_ds("--num_gpus", str(ranks), SCRIPT, "--scratch", str(tmp_path),
+                    *PLANS[ranks], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     reports = tagged_json(result.stdout, "RESULT")
     assert sorted(reports) == list(range(ranks))

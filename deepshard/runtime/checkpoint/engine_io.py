@@ -273,11 +273,11 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
 
 
 def _check_model_parallel(engine, path: Path, universal_tag: bool) -> None:
-    """A DeepSpeed checkpoint loads into a pipeline job (its parameters are named by global
-    layer index, every stage's are in the checkpoint); a universal one, and either into
-    a tensor-parallel job, not."""
+    """A DeepSpeed or universal checkpoint loads into a pipeline job (each stage takes the
+    names its layers have: a pipeline's are its layers' global indices, as in an
+    ``nn.Sequential`` of them), not into a tensor-parallel job."""
     topology = engine.topology
-    if topology is None or (topology.tensor == 1 and not universal_tag):
+    if topology is None or topology.tensor == 1:
         return
     what = "a universal checkpoint" if universal_tag else "a DeepSpeed checkpoint"
     raise UsageError(f"{what} loads into a data-parallel or pipeline job only (no tensor "

@@ -7,7 +7,11 @@ them; reports per rank as ``RESULT <json>``.
 parallel over the remaining ranks (``0`` stages: an ``nn.Sequential`` of them, data
 parallel); for ``moe_ep2_zero2`` / ``moe_ep2_zero0``, the same MoE model at ``ep_size``
 ``<size>``; ``<zero>``: the ZeRO stage. ``:noopt`` after it loads with
-``load_optimizer_states=False``. Each job loads the checkpoint, compares this rank's
+``load_optimizer_states=False``; ``:universal`` loads, instead of the checkpoint, a
+universal folder made from it (a plain data-parallel job of the same layers loads it,
+saves with deepshard, and rank 0 converts that with ``ds_to_universal``: the names are
+the layers' indices, the pipeline's too) with ``checkpoint.load_universal``; its folders
+go under ``--scratch DIR``. Each job loads the checkpoint, compares this rank's
 fp32 weights with DeepSpeed's at the save, then (unless ``:noopt``: its optimizer starts
 afresh, so it would not continue as DeepSpeed did) trains the 3 global batches DeepSpeed
 trained after its save and compares after each step. Experts are compared under their
@@ -53,7 +57,7 @@ def diff(got: dict, want: dict) -> float:
     return max(float((got[k] - want[k]).abs().max()) for k in got)
 
 
-def _pipe_engine(stages: int, zero: int):
+def _pipe_engine(stages: int, zero: int, universal: bool = False):
     """The pipeline fixture's model as a job of ``stages`` stages (0: plain data
     parallel) and a function training one global batch."""
     from deepshard.runtime.parallel.pipe_module import PipelineModule
@@ -62,6 +66,8 @@ def _pipe_engine(stages: int, zero: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(123)  # other initial values than DeepSpeed's: the load must set them
     cfg = fm.config(zero, False)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if not stages:
         model = torch.nn.Sequential(*fm.pipe_layers())
         engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(),
@@ -90,20 +96,40 @@ def _moe_engine(ep: int, zero: int):
     return engine, lambda step: fm.moe_train_step(engine, step, rank, world)
 
 
-def run(job: str) -> dict:
+def _universal(case: str, zero: int, scratch: Path) -> Path:
+    """``case`` loaded by a plain data-parallel job, saved with deepshard and converted
+    to universal on rank 0: the save directory holding ``latest_universal``."""
+    from deepshard.runtime.checkpoint.universal import convert
+
+    root = scratch / f"{case}-{zero}"
+    engine, _ = _pipe_engine(0, zero)
+    engine.load_checkpoint(str(DATA / case / "ckpt"))
+    engine.save_checkpoint(str(root / "deepshard"), client_state={"epoch": 3})
+    engine.destroy()
+    if dist.get_rank() == 0:
+        convert(root / "deepshard" / "global_step2", root / "global_step2_universal")
+    dist.barrier()
+    return root
+
+
+def run(job: str, scratch: Path | None) -> dict:
     case, size, zero, *flags = job.split(":")
     expected = torch.load(DATA / case / "expected.pt", weights_only=False)
+    source = DATA / case / "ckpt"
+    if "universal" in flags:
+        if scratch is None:
+            raise SystemExit("a universal job needs --scratch DIR")
+        source = _universal(case, int(zero), scratch)
     if case.startswith("pipe"):
-        engine, step = _pipe_engine(int(size), int(zero))
+        engine, step = _pipe_engine(int(size), int(zero), "universal" in flags)
         ep = 1
     else:
         engine, step = _moe_engine(int(size), int(zero))
         ep = int(size)
     load_optimizer = "noopt" not in flags
-    path, client = engine.load_checkpoint(str(DATA / case / "ckpt"),
-                                          load_optimizer_states=load_optimizer)
+    path, client = engine.load_checkpoint(str(source), load_optimizer_states=load_optimizer)
     weights = fp32_weights(engine, ep)
-    out = {"path": Path(path).name, "epoch": client.get("epoch"),
+    out = {"path": Path(path).name.removesuffix("_universal"), "epoch": client.get("epoch"),
            "global_steps": engine.global_steps, "names": sorted(weights),
            "at_save": diff(weights, expected["at_save"]), "after": [], "lrs": [],
            "want_lrs": expected["lrs"]}
@@ -118,8 +144,13 @@ def run(job: str) -> dict:
 
 def main() -> None:
     deepshard.init_distributed()
-    jobs = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    results = {job: run(job) for job in jobs}
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    scratch = None
+    if "--scratch" in args:
+        at = args.index("--scratch")
+        scratch = Path(args[at + 1])
+        del args[at:at + 2]
+    results = {job: run(job, scratch) for job in args}
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "results": results}), flush=True)
 
 
