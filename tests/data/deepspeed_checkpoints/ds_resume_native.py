@@ -46,6 +46,10 @@ def _worker(rank: int, load_dir: str, stage: int, bf16: bool, out: str, port: in
         torch.save({"at_save": at_save, "after": after, "lrs": lrs,
                     "global_steps": engine.global_steps, "client": client}, out)
     deepspeed.comm.destroy_process_group()
+    # DeepSpeed's CPU build now and then aborts in its teardown ("terminate called without
+    # an active exception") after everything is written: leave without it
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
