@@ -282,9 +282,9 @@ def _check_model_parallel(engine, path: Path, universal_tag: bool) -> None:
     what = "a universal checkpoint" if universal_tag else "a DeepSpeed checkpoint"
     raise UsageError(f"{what} loads into a data-parallel or pipeline job only (no tensor "
                      "parallelism) for now", where=str(path),
-                     hint="load it into such a job, save it with deepshard, and load that "
-                          "one: deepshard reshards its own checkpoints into any pipeline / "
-                          "tensor layout")
+                     hint="load it into a data-parallel or pipeline job, or consolidate it "
+                          "(get_fp32_state_dict_from_zero_checkpoint) and load those weights "
+                          "into the model before initialize() splits it")
 
 
 def _this_stage(engine, by_name: ByName) -> None:
