@@ -237,8 +237,9 @@ def _from_deepshard(src: Path) -> tuple[ByName, dict, list]:
     if manifest.layout:
         raise UsageError("a deepshard checkpoint split over pipeline or tensor-parallel "
                          "ranks is not converted to universal yet", where=str(src),
-                         hint="load it in deepshard at any layout: deepshard reshards its "
-                              "own checkpoints without conversion")
+                         hint="resume it in deepshard at the layout that wrote it, or "
+                              "consolidate it (get_fp32_state_dict_from_zero_checkpoint "
+                              "merges pipeline stages and tensor slices)")
     shared = fmt.load_file(src, fmt.SHARED_FILE)
     by_name = read_by_name(src, manifest, shared)
     if manifest.zero_stage == 0:
