@@ -8,10 +8,12 @@ and the ``client_state`` at the top level) or one ``zero_pp_rank_R_mp_rank_00_mo
 .pt`` per rank (stage 3: buffers whole, this rank's pieces of the frozen parameters), and
 per rank ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` holding its fp32 partition of
 every flat group and the optimizer state over it (:mod:`.ds_layout` says where each
-parameter lies). Each rank gathers one of deepshard's flat groups at a time (its values,
-then each optimizer state tensor) and cuts its own DeepSpeed partition out of it, so the
-extra memory of a save is one flat group, whole. The tag directory appears at once
-(:func:`.format.write_tag`), with ``latest`` pointing at it.
+parameter lies). At stages 1-2 a DeepSpeed partition is this rank's shard give or take a
+few elements at its edges, which the ranks exchange; at stage 3 (every parameter cut into
+pieces) each rank gathers one of deepshard's flat groups at a time (its values, then each
+optimizer state tensor) and cuts its pieces out of it, so the extra memory of a save is
+one flat group, whole. The tag directory appears at once (:func:`.format.write_tag`),
+with ``latest`` pointing at it.
 
 Written: data-parallel jobs at ZeRO 0 (fp32) and 1-3 (fp32, bf16). Refused in one line:
 pipeline / tensor parallel jobs, MoE, fp16, bf16 at stage 0, the 1-bit optimizers.
@@ -32,6 +34,8 @@ from deepshard.runtime.checkpoint import ds_files, ds_layout, ds_pickle
 from deepshard.runtime.checkpoint import format as fmt
 from deepshard.runtime.checkpoint.by_name import aliases
 from deepshard.runtime.checkpoint.universal import WRITTEN_VERSION
+from deepshard.runtime.strategy.stage0 import Stage0Strategy
+from deepshard.runtime.zero.runtime import ZeroStrategy
 
 VALUES = ""
 """The kind of the fp32 values in :class:`Part` (beside each optimizer state's key)."""
@@ -81,7 +85,7 @@ def check(engine) -> None:
     said = None
     if engine.topology is not None:
         said = "a pipeline / tensor-parallel job"
-    elif type(strategy).__name__ not in ("Stage0Strategy", "ZeroStrategy"):
+    elif type(strategy) not in (Stage0Strategy, ZeroStrategy):  # not their subclasses
         said = f"a job with {type(strategy).__name__} (MoE, 1-bit optimizers)"
     elif engine.loss_scaler is not None and getattr(engine.loss_scaler, "dynamic", False):
         said = "an fp16 job (its dynamic loss scale)"
