@@ -92,16 +92,24 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
             optimizer is not None else {}
         found = [n in by_name.present for n in g.names]
         missing.extend(n for n, ok in zip(g.names, found, strict=True) if not ok)
-        fresh.copy_(g.read_shard())
-        for piece in pieces(g.flat, g.spec, g.rank):
-            name = g.names[g.flat.params.index(piece.param)]
+        mine = [(g.names[g.flat.params.index(pc.param)], pc)
+                for pc in pieces(g.flat, g.spec, g.rank)]
+        # what the pieces do not cover: the padding past the group's end, or everything
+        # where a name lacks its value (kept as it was) or its state (zeros)
+        real = max(0, min(g.hi, g.flat.numel) - g.lo)  # the shard's elements before padding
+        if all(n in by_name.values for n, _ in mine):
+            fresh[real:] = 0
+        else:
+            fresh.copy_(g.read_shard())
+        clear = slice(real, None) if all(n in by_name.state for n, _ in mine) else slice(None)
+        for name, piece in mine:
             src = slice(piece.param_start, piece.param_start + piece.length)
             dst = slice(piece.shard_start, piece.shard_start + piece.length)
             if name in by_name.values:
                 fresh[dst] = by_name.values[name].reshape(-1)[src].float()
             for key, full in by_name.state.get(name, {}).items():
                 if key not in state:
-                    state[key] = _buffer(held.get(key), g.spec.shard, full.dtype)
+                    state[key] = _buffer(held.get(key), g.spec.shard, full.dtype, clear)
                 state[key][dst] = full.reshape(-1)[src]
             if by_name.release is not None:
                 by_name.release()
@@ -123,12 +131,16 @@ def load_into_zero(zero, optimizer, by_name: ByName, load_optimizer: bool) -> li
     return missing
 
 
-def _buffer(held: object, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed shard-sized state tensor: ``held`` (the optimizer's own) where it fits."""
+def _buffer(held: object, size: int, dtype: torch.dtype, clear: slice) -> torch.Tensor:
+    """A shard-sized state tensor, zero in ``clear`` (what the checkpoint will not
+    fill): ``held`` (the optimizer's own) where it fits."""
     if isinstance(held, torch.Tensor) and held.dim() == 1 and held.numel() == size and \
             held.dtype == dtype and held.device.type == "cpu":
-        return held.zero_()
-    return torch.zeros(size, dtype=dtype)
+        out = held
+    else:
+        out = torch.empty(size, dtype=dtype)
+    out[clear] = 0
+    return out
 
 
 def same_layout(zero, entries: list[dict]) -> bool:
