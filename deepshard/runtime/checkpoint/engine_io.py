@@ -224,7 +224,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     path = Path(load_dir) / manifest.tag
     shared = fmt.load_file(path, fmt.SHARED_FILE)
     load_optimizer = load_optimizer_states and not load_module_only
-    own = _own_file(engine, path, manifest)
+    own = _own_file(engine, path)
     entries = _own_shards(engine, own, manifest)
     with engine.strategy.materialized(engine.optimizer):
         if entries is not None:
@@ -307,7 +307,7 @@ def _same_world_and_stage(engine, manifest: fmt.Manifest) -> bool:
         manifest.world_size == engine.dp_world_size
 
 
-def _own_file(engine, path: Path, manifest: fmt.Manifest) -> dict:
+def _own_file(engine, path: Path) -> dict:
     """This rank's own file ({} when the checkpoint has none for it), read once and
     memory-mapped: its shards are copied into the engine's own tensors
     (:func:`_restore_shards`, which hands the pages back as it goes), or only its small
