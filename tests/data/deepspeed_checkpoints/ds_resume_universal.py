@@ -45,6 +45,10 @@ def main() -> None:
     torch.save({"at_save": None, "after": after, "lrs": lrs,
                 "global_steps": engine.global_steps}, out)
     deepspeed.comm.destroy_process_group()
+    # DeepSpeed's CPU build now and then aborts in its teardown ("terminate called without
+    # an active exception") after everything is written: leave without it
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
