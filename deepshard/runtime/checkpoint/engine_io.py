@@ -249,7 +249,6 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
     (:mod:`.universal`) loaded as deepshard's own are; the client state returned is what
     DeepSpeed's load returns."""
     universal_tag = universal.is_universal_tag(path)
-    _check_model_parallel(engine, path, universal_tag)
     if universal_tag:
         loaded = universal.read(path, _needed(engine))
     else:
@@ -257,6 +256,7 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
                                      frozenset(frozen_names(engine.module)), _needed(engine))
     if engine.topology is not None:
         _this_stage(engine, loaded.by_name)
+        _this_slice(engine, loaded.by_name, path)
     load_optimizer = load_optimizer_states and not load_module_only
     if load_optimizer:
         from_deepspeed.check_optimizer(loaded.top, path)
@@ -272,19 +272,25 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
                                                   load_lr_scheduler_states)
 
 
-def _check_model_parallel(engine, path: Path, universal_tag: bool) -> None:
-    """A DeepSpeed or universal checkpoint loads into a pipeline job (each stage takes the
-    names its layers have: a pipeline's are its layers' global indices, as in an
-    ``nn.Sequential`` of them), not into a tensor-parallel job."""
+def _this_slice(engine, by_name: ByName, path: Path) -> None:
+    """Tensor parallelism: every tensor-parallel parameter's value and optimizer state cut
+    to this rank's slice (as AutoTP cut the parameter itself; element-wise optimizer state
+    is cut the same way)."""
+    from deepshard.runtime.parallel.tensor import tp_layout
+    from deepshard.runtime.parallel.tp_shards import shard_tensor
+
     topology = engine.topology
-    if topology is None or topology.tensor == 1:
+    if topology.tensor == 1:
         return
-    what = "a universal checkpoint" if universal_tag else "a DeepSpeed checkpoint"
-    raise UsageError(f"{what} loads into a data-parallel or pipeline job only (no tensor "
-                     "parallelism) for now", where=str(path),
-                     hint="load it into a data-parallel or pipeline job, or consolidate it "
-                          "(get_fp32_state_dict_from_zero_checkpoint) and load those weights "
-                          "into the model before initialize() splits it")
+    rank = topology.coord(engine.global_rank).tensor
+    for name, spec in tp_layout(engine.module).items():
+        if name in by_name.values:
+            by_name.values[name] = shard_tensor(by_name.values[name], spec, rank,
+                                                topology.tensor, f"{path}: {name}")
+        state = by_name.state.get(name, {})
+        for key, value in state.items():
+            state[key] = shard_tensor(value, spec, rank, topology.tensor,
+                                      f"{path}: {name} {key}")
 
 
 def _this_stage(engine, by_name: ByName) -> None:
