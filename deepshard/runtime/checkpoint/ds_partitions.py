@@ -179,6 +179,8 @@ class Pieces:
         return self._whole
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not a tensor's: copy/pickle probing a bare instance
+            raise AttributeError(name)
         return getattr(self.whole(), name)
 
 
@@ -193,6 +195,8 @@ class _FlatPieces:
         return self._of.span(lo, hi)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._of.whole().reshape(-1), name)
 
 

@@ -80,3 +80,18 @@ def test_deepspeeds_classes_round_trip_without_deepspeed(tmp_path):
         pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
     assert b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n" in pickled
     assert b"cdeepspeed.runtime.zero.config\nZeroStageEnum\n" in pickled
+
+
+def test_stage3_pieces_join_only_where_read():
+    from deepshard.runtime.checkpoint.ds_partitions import Pieces
+
+    whole = torch.arange(7.0)
+    pieces = [whole[0:4], torch.cat([whole[4:7], torch.zeros(1)])]  # 2 ranks, 1 padding
+    lazy = Pieces(pieces, 7, (7,))
+    flat = lazy.reshape(-1)
+    assert torch.equal(flat[2:6], whole[2:6])  # across the two pieces
+    assert torch.equal(flat[5:9], whole[5:7])  # the padding is not the parameter's
+    assert torch.equal(flat[0:7:2], whole[0:7:2])
+    assert lazy.shape == (7,) and lazy.numel() == 7 and lazy.dtype == torch.float32
+    assert torch.equal(lazy.view_as(torch.empty(7, 1)), whole.view(7, 1))
+    assert torch.equal(lazy.float(), whole)
