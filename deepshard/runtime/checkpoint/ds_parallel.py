@@ -52,16 +52,22 @@ def partition_ranks(ep_size: int, ep_rank: int, world: int) -> range:
 def global_names(shapes: Mapping[str, S], ep_rank: int) -> dict[str, S]:
     """An MoE param group's ``param_shapes`` as saved by expert-parallel rank ``ep_rank``
     (its local experts ``0..L-1`` of each layer) under the experts' global names."""
-    local: dict[str, int] = {}
-    for name in shapes:
-        m = EXPERT.fullmatch(name)
-        if m is not None:
-            local[m[1]] = max(local.get(m[1], 0), int(m[2]) + 1)
+    local = _experts_per_layer(shapes)
     out = {}
     for name, shape in shapes.items():
         m = EXPERT.fullmatch(name)
         out[name if m is None else f"{m[1]}{ep_rank * local[m[1]] + int(m[2])}{m[3]}"] = shape
     return out
+
+
+def _experts_per_layer(names: Iterable[str]) -> dict[str, int]:
+    """Each MoE layer's (experts prefix's) number of experts among ``names``."""
+    counts: dict[str, int] = {}
+    for name in names:
+        m = EXPERT.fullmatch(name)
+        if m is not None:
+            counts[m[1]] = max(counts.get(m[1], 0), int(m[2]) + 1)
+    return counts
 
 
 def expert_values(found: ds_files.Files, top: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -92,11 +98,7 @@ def rank_experts(values: Mapping[str, torch.Tensor], ep_size: int, ep_rank: int
     """The expert entries of ``values`` (global names) that expert-parallel rank
     ``ep_rank`` of ``ep_size`` holds (each layer's experts cut in ``ep_size`` blocks), in
     order."""
-    counts: dict[str, int] = {}
-    for name in values:
-        m = EXPERT.fullmatch(name)
-        if m is not None:
-            counts[m[1]] = max(counts.get(m[1], 0), int(m[2]) + 1)
+    counts = _experts_per_layer(values)
     out = {}
     for name, value in values.items():
         m = EXPERT.fullmatch(name)
