@@ -18,9 +18,9 @@ import torch
 
 from deepshard.errors import UsageError
 from deepshard.runtime.checkpoint import ds_files
-from tests.helpers import ROOT, run_ds, tagged_json
+from tests.dist.ds_resume import SCRIPT, check_continued, resumed
+from tests.helpers import ROOT, run_ds
 
-SCRIPT = str(ROOT / "tests" / "dist" / "scripts" / "ds_checkpoint_resume.py")
 DATA = ROOT / "tests" / "data" / "deepspeed_checkpoints"
 CASES = ["zero0_fp32", "zero1_fp32", "zero2_fp32", "zero3_fp32", "zero1_bf16", "zero3_bf16"]
 PLANS = {1: [3, 3, 3, 1, 2, 2], 4: [1, 2, 0, 2, 3, 1]}
@@ -72,22 +72,11 @@ def test_files_are_deepspeeds(written, case):
 
 @pytest.mark.parametrize("ranks", sorted(PLANS))
 def test_deepshard_resumes_them_anywhere(written, ranks, tmp_path):
-    plan = list(zip(CASES, PLANS[ranks], strict=True))
-    args = [a for case, stage in plan for a in (f"written:{written / case}", str(stage))]
-    result = run_ds("--num_gpus", str(ranks), SCRIPT, "resume", str(tmp_path), *args,
-                    timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = tagged_json(result.stdout, "RESULT")
-    assert sorted(reports) == list(range(ranks))
-    for rank, (_, data) in reports.items():
-        assert len(data["results"]) == len(plan)
-        for key, got in data["results"].items():
-            label = f"{key} rank {rank} of {ranks}"
-            assert (got["path"], got["epoch"], got["global_steps"]) == ("global_step2", 3, 2)
-            assert got["at_save"] == 0.0, (label, got)
-            assert got["lrs"] == pytest.approx(got["want_lrs"], rel=1e-12), (label, got)
-            tol = 1e-3 if "bf16" in key else 1e-6
-            assert len(got["after"]) == 3 and max(got["after"]) < tol, (label, got)
+    plan = [(f"written:{written / case}", stage)
+            for case, stage in zip(CASES, PLANS[ranks], strict=True)]
+    for rank, results in resumed(ranks, tmp_path, plan).items():
+        for key, got in results.items():
+            check_continued(got, f"{key} rank {rank} of {ranks}")
 
 
 def test_four_ranks_partitions_reach_into_the_next_shard(tmp_path):
@@ -108,14 +97,10 @@ def test_four_ranks_partitions_reach_into_the_next_shard(tmp_path):
         weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / case / "ckpt"))
         want = torch.load(tmp_path / case / "expected.pt", weights_only=False)["at_save"]
         assert all(torch.equal(weights[k].float(), want[k]) for k in want), case
-    args = [a for case in cases for a in (f"written:{tmp_path / case}", "2")]
-    result = run_ds("--num_gpus", "2", SCRIPT, "resume", str(tmp_path / "scratch"), *args,
-                    timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for _, (_, data) in tagged_json(result.stdout, "RESULT").items():
-        for key, got in data["results"].items():
-            assert got["at_save"] == 0.0, (key, got)
-            assert max(got["after"]) < (1e-3 if "bf16" in key else 1e-6), (key, got)
+    plan = [(f"written:{tmp_path / case}", 2) for case in cases]
+    for rank, results in resumed(2, tmp_path / "scratch", plan, timeout=300).items():
+        for key, got in results.items():
+            check_continued(got, f"{key} rank {rank} of 2")
 
 
 def test_a_job_the_layout_cannot_hold_is_refused(one_rank_group, tmp_path):
