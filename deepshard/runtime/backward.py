@@ -33,13 +33,14 @@ gradient belongs to is only known to whoever started it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from deepshard.errors import UsageError
+from deepshard.runtime.nested import tensors_in
 
 
 @dataclass
@@ -120,7 +121,7 @@ class BackwardDriver:
         """Hook the tensors of ``out`` that require grad (tuples, lists, dicts and HF
         ``ModelOutput``); the hooks change no gradient."""
         if torch.is_grad_enabled():
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self.on_output)
 
@@ -163,14 +164,3 @@ class BackwardDriver:
             return
         self._strategy.end_backward(s.sync)
         self._after()
-
-
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    if torch.is_tensor(out):
-        yield out
-    elif isinstance(out, dict):
-        for value in out.values():
-            yield from _tensors(value)
-    elif isinstance(out, (list, tuple)):
-        for value in out:
-            yield from _tensors(value)

@@ -15,22 +15,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
-import torch
+from deepshard.runtime.nested import tensors_in
 
 MADV_DONTNEED = 4
-
-
-def _tensors(obj: object) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 class Release:
@@ -42,7 +31,7 @@ class Release:
         page = mmap.PAGESIZE
         spans = set()
         for obj in loaded:
-            for t in _tensors(obj):
+            for t in tensors_in(obj):
                 storage = t.untyped_storage()
                 start = -(-storage.data_ptr() // page) * page
                 end = (storage.data_ptr() + storage.nbytes()) // page * page

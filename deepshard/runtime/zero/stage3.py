@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from deepshard.runtime.nested import tensors_in
 from deepshard.runtime.zero.flat import FlatGroup
 from deepshard.runtime.zero.marks import external_parameters, z3_leaf_module
 from deepshard.runtime.zero.status import ZeroParamStatus
@@ -288,11 +289,11 @@ class ParamCoordinator:
         if _in_backward():
             return
         if torch.is_grad_enabled():
-            outputs = [t for t in _tensors(out) if t.requires_grad]
+            outputs = [t for t in tensors_in(out) if t.requires_grad]
             if outputs:
                 self._forwards += 1
                 call = self._forwards
-                needs = [t for t in _tensors(inputs) if t.requires_grad] if unit.frozen else []
+                needs = [t for t in tensors_in(inputs) if t.requires_grad] if unit.frozen else []
                 count = len(needs)
                 nodes: set[int] = set()
                 for t in outputs:
@@ -499,14 +500,3 @@ def _entry_chain(root: torch.nn.Module, inner: set[int]) -> list[torch.nn.Module
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(out) -> Iterable[torch.Tensor]:
-    if torch.is_tensor(out):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)
