@@ -119,11 +119,12 @@ def files(engine, client_state: Mapping | None, exclude_frozen: bool) -> dict[st
             model[key] = None
         return {ds_files.model_file(): model}
     stage3 = strategy.stage == 3
-    plan = _plan(engine, world, rank)
-    parts = _fill(strategy, optimizer, plan, _canonical(engine.module), world, rank, stage3)
+    names = _canonical(engine.module)
+    plan = _plan(engine, names, world, rank)
+    parts = _fill(strategy, optimizer, plan, names, world, rank, stage3)
     # DeepSpeed keeps frozen parameters beside the module from stage 2 on
     keep = strategy.stage >= 2 and not exclude_frozen
-    frozen = _frozen(engine, world, rank, stage3) if keep else None
+    frozen = _frozen(engine, names, world, rank, stage3) if keep else None
     model = _model(engine, client_state, exclude_frozen, plan, frozen)
     out: dict[str, Any] = {}
     if stage3:
@@ -177,11 +178,11 @@ def _user_groups(engine) -> list[list[torch.nn.Parameter]]:
     return out
 
 
-def _plan(engine, world: int, rank: int) -> list[ds_layout.Partitioned]:
+def _plan(engine, names: Mapping[int, str], world: int, rank: int
+          ) -> list[ds_layout.Partitioned]:
     """This rank's DeepSpeed partitions: one per group (stages 1-2), one per sub-group
-    (stage 3)."""
+    (stage 3); ``names``: each parameter's first name (:func:`_canonical`)."""
     given = engine.config.get("zero_optimization") or {}
-    names = _canonical(engine.module)
     plan: list[ds_layout.Partitioned] = []
     for i, members in enumerate(_user_groups(engine)):
         if not members:
@@ -285,12 +286,12 @@ def _gathered(shard: torch.Tensor, g, world: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _frozen(engine, world: int, rank: int, stage3: bool) -> dict[str, torch.Tensor]:
+def _frozen(engine, names: Mapping[int, str], world: int, rank: int,
+            stage3: bool) -> dict[str, torch.Tensor]:
     """The frozen parameters DeepSpeed keeps beside the module: whole (stages 1-2), or
     this rank's piece of each (stage 3). Collective at stage 3 (partitioned ones are
     gathered)."""
     zero = engine.strategy
-    names = _canonical(engine.module)
     whole: dict[str, torch.Tensor] = {}
     if stage3:
         for g in zero.frozen_groups:
