@@ -143,10 +143,11 @@ def convert(input_folder: str | os.PathLike, output_folder: str | os.PathLike,
     if fmt.read_manifest(src) is not None:
         by_name, common, models = _from_deepshard(src)
     elif src.is_dir() and ds_files.is_deepspeed_tag(src):
-        _check_data_parallel(ds_files.files(src))
+        found = ds_files.files(src)
+        _check_data_parallel(found)
         loaded = from_deepspeed.read(src)
-        by_name, models = loaded.by_name, list(ds_files.files(src).model)
-        common = _common_from_deepspeed(src, loaded)
+        by_name, models = loaded.by_name, list(found.model)
+        common = _common_from_deepspeed(found, loaded)
     else:
         raise UsageError("not a checkpoint tag directory", where=str(src),
                          hint="pass a tag directory (global_step<N>/) of a DeepSpeed or "
@@ -210,8 +211,7 @@ def _save(path: Path, value: object) -> None:
     torch.save(value, path)
 
 
-def _common_from_deepspeed(src: Path, loaded: from_deepspeed.Loaded) -> dict:
-    found = ds_files.files(src)
+def _common_from_deepspeed(found: ds_files.Files, loaded: from_deepspeed.Loaded) -> dict:
     groups = (loaded.shared.get("optimizer") or {}).get("param_groups") or []
     if not found.optim:
         return {"zero_stage": 0, "param_groups": groups, "clip_grad": 0.0, "overflow": False,
