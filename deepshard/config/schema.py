@@ -28,6 +28,7 @@ from deepshard.config.schema_base import (
     one_of,
 )
 from deepshard.config.schema_comm import CommsLoggerConfig
+from deepshard.config.schema_data import DataEfficiencyConfig
 from deepshard.config.schema_elastic import ElasticityConfig
 from deepshard.config.schema_monitor import (
     CometConfig,
@@ -232,13 +233,13 @@ class DeepShardConfig(Section):
         "use_data_before_expert_parallelism", "allgather_size",
         "data_parallel_size",
         "torch_autocast", "aio",
-        "autotuning", "data_efficiency", "compile", "timers",
+        "autotuning", "compile", "timers",
         "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
         "amp", "nebula", "compression_training", "quantize_training", "sparse_gradients",
         "eigenvalue", "sparse_attention", "graph_harvesting",
-        "curriculum_learning", "progressive_layer_drop",
+        "progressive_layer_drop",
     })
 
     train_batch_size: PosInt | None = doc(
@@ -302,6 +303,9 @@ class DeepShardConfig(Section):
     elasticity: ElasticityConfig = doc(
         "DeepSpeed's elastic batch arithmetic (removed in DeepSpeed 0.19, kept here): one "
         "train batch size for a range of world sizes.", default_factory=ElasticityConfig)
+    data_efficiency: DataEfficiencyConfig = doc(
+        "DeepSpeed's data-efficiency library: curriculum learning, dynamic batching, "
+        "random-LTD (deepshard.data_efficiency).", default_factory=DataEfficiencyConfig)
     sequence_parallel: SequenceParallelConfig = doc(
         "ALST's memory switches for long sequences (tiled MLP, tiled logits + loss, "
         "checkpointed activations in host memory).", default_factory=SequenceParallelConfig)
@@ -320,6 +324,17 @@ class DeepShardConfig(Section):
         """The four monitor sections together (DeepSpeed's ``_config.monitor_config``)."""
         return MonitorConfig(tensorboard=self.tensorboard, wandb=self.wandb,
                              csv_monitor=self.csv_monitor, comet=self.comet)
+
+    @classmethod
+    def coerce(cls, data: Any, log: KeyLog) -> Any:
+        if isinstance(data, dict) and "curriculum_learning" in data:
+            # it changes the batches, so it is refused (as DeepSpeed 0.19 does), not ignored
+            raise UsageError("the legacy top-level curriculum_learning section was removed "
+                             "in DeepSpeed 0.19", where=log.where("curriculum_learning"),
+                             hint="move it to data_efficiency.data_sampling."
+                                  "curriculum_learning, with the metric seqlen_truncate "
+                                  "(docs/data_efficiency.md)")
+        return data
 
     @classmethod
     def prepare(cls, data: dict[str, Any], log: KeyLog) -> dict[str, Any]:

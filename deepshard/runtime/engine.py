@@ -137,6 +137,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         fragments = ParamFragments(self.strategy, self.optimizer)
         for p in self.strategy.params:
             p._deepshard_strategy = fragments  # runtime.tensor_fragment's safe_get_full_*
+        self.features = parts.extensions.attach(self)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last one before an optimizer step (as
@@ -187,6 +188,8 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
             inputs = tuple(_to_half(x) for x in inputs)
             kwargs = {k: _to_half(v) for k, v in kwargs.items()}
         self._driver.reap()
+        for feature in self.features:
+            feature.before_forward(self)
         self._monitor.begin("fwd")
         factory = self._profiler_factory
         if (factory is not None and self.module.training and self._profiler is None

@@ -157,6 +157,39 @@ class EngineGetters:
         """Whether the engine times forward, backward and step (the config's flag)."""
         return self._config.wall_clock_breakdown
 
+    # -- data efficiency (DeepSpeed's dicts of the section: deepshard.data_efficiency) ----
+    def data_efficiency_enabled(self) -> bool:
+        """``data_efficiency.enabled``."""
+        return self._config.data_efficiency.enabled
+
+    def data_efficiency_config(self) -> dict[str, Any]:
+        """The ``data_efficiency`` section as DeepSpeed's dict (defaults filled in)."""
+        return self._config.data_efficiency.as_deepspeed()
+
+    def data_sampling_enabled(self) -> bool:
+        """``data_efficiency.data_sampling.enabled``."""
+        return self._config.data_efficiency.data_sampling.enabled
+
+    def data_sampling_config(self) -> dict[str, Any]:
+        """``data_efficiency.data_sampling`` as DeepSpeed's dict."""
+        return self.data_efficiency_config()["data_sampling"]
+
+    def curriculum_learning_enabled(self) -> bool:
+        """Whether the curriculum sampler feeds ``initialize(training_data=...)``'s loader."""
+        return self._config.data_efficiency.data_sampling.curriculum_learning.enabled
+
+    def curriculum_learning_config(self) -> dict[str, Any]:
+        """``data_efficiency.data_sampling.curriculum_learning`` as DeepSpeed's dict."""
+        return self.data_sampling_config()["curriculum_learning"]
+
+    def random_ltd_enabled(self) -> bool:
+        """Whether random-LTD drops tokens in the configured layers."""
+        return self._config.data_efficiency.data_routing.random_ltd.enabled
+
+    def random_ltd_config(self) -> dict[str, Any]:
+        """``data_efficiency.data_routing.random_ltd`` as DeepSpeed's dict."""
+        return self.data_efficiency_config()["data_routing"]["random_ltd"]
+
     def get_wall_clock_timers(self) -> dict[str, float]:
         """The last optimizer step's times in ms (DeepSpeed's global timers: ``fwd``,
         ``bwd``, ``bwd_inner``, ``bwd_allreduce``, ``step``; empty without

@@ -12,7 +12,7 @@ import torch
 from deepshard.runtime.checkpoint import engine_io
 
 if TYPE_CHECKING:
-    from deepshard.runtime.extensions import Extensions
+    from deepshard.runtime.extensions import EngineFeature, Extensions
 
 
 class EnginePersistence:
@@ -80,6 +80,8 @@ class EngineData:
     dp_rank: int
     mpu: Any
     training_dataloader: Any
+    features: tuple[EngineFeature, ...]
+    _extensions: Extensions
 
     if TYPE_CHECKING:
         @property
@@ -105,12 +107,34 @@ class EngineData:
                           collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
                           pin_memory=pin_memory and torch.cuda.is_available())
 
+    def set_data_post_process_func(self, post_process_func) -> None:
+        """DeepSpeed's: ``post_process_func(batch, sampler_state)`` is applied to each batch
+        of the curriculum loader in place of the default (the seqlen metrics); without a
+        curriculum loader, nothing (as DeepSpeed)."""
+        self._extensions.export("set_data_post_process_func")(self, post_process_func)
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict) -> None:
+        """DeepSpeed's: the functions (``step -> difficulty``, by metric name) of the
+        curriculum's ``custom`` schedules."""
+        self._extensions.export("set_custom_curriculum_learning_schedule")(
+            self, schedule_func_dict)
+
+    def random_ltd_initialize(self) -> None:
+        """DeepSpeed's: bind the model's converted layers to the random-LTD schedule
+        (``convert_to_random_ltd`` calls it; ``initialize`` already did for the layers of
+        ``random_ltd_layer_id``)."""
+        self._extensions.export("random_ltd_initialize")(self)
+
     def training_loader(self, dataset, collate_fn=None):
         """The loader ``initialize(training_data=dataset)`` returns (and keeps as
-        ``training_dataloader``)."""
-        from deepshard.runtime.data_position import (
-            resumable_loader,  # its position is in checkpoints
-        )
+        ``training_dataloader``): a feature's (a curriculum sampler's), or one whose
+        position is in checkpoints."""
+        from deepshard.runtime.data_position import resumable_loader
 
+        for feature in self.features:
+            loader = feature.training_loader(self, dataset, collate_fn)
+            if loader is not None:
+                self.training_dataloader = loader
+                return loader
         self.training_dataloader = resumable_loader(self, dataset, collate_fn)
         return self.training_dataloader

@@ -60,6 +60,27 @@ class NullSink:
         """Nothing to close."""
 
 
+class EngineFeature(Protocol):
+    """A feature's live part of one engine (data efficiency: its curriculum sampler and
+    random-LTD schedule), made by :attr:`Extension.attach` once the engine exists."""
+
+    name: str
+    """The key its state is saved under in checkpoints."""
+
+    def before_forward(self, engine: Any) -> None:
+        """Called at every ``engine(...)`` before the module's forward."""
+
+    def training_loader(self, engine: Any, dataset: Any, collate_fn: Any) -> Any:
+        """The loader ``initialize(training_data=...)`` returns, or ``None`` for the
+        engine's own."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (picklable; restored by :meth:`load_state_dict`)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's :meth:`state_dict`."""
+
+
 ModelHook = Callable[[torch.nn.Module, Any, Any, int], Mapping[int, torch.nn.Parameter]]
 """``(module, config, data-parallel group, rank) -> replaced``: changes the module in place;
 returns, by the ``id`` of each parameter it replaced, the parameter standing for it."""
@@ -80,6 +101,9 @@ class Extension:
     (sequence parallelism swaps attention)."""
     event_sink: Callable[[Any, int], EventSink] | None = None
     """``(monitor config, rank) -> sink`` for the config's monitor sections."""
+    attach: Callable[[Any], EngineFeature | None] | None = None
+    """``engine -> feature`` once the engine is built (``None``: the config does not ask for
+    it): its forward, loader and checkpoint hooks (:class:`EngineFeature`)."""
     engine_exports: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     """Engine methods the feature implements, by name, each called with the engine
     first (``save_pretrained``)."""
@@ -107,6 +131,11 @@ class Extensions:
                              "writes monitor events", where="monitor", hint=_REINSTALL)
         return NullSink()
 
+    def attach(self, engine: Any) -> tuple[EngineFeature, ...]:
+        """The features the engine's config switches on, attached to it."""
+        made = (ext.attach(engine) for ext in self.items if ext.attach is not None)
+        return tuple(feature for feature in made if feature is not None)
+
     def export(self, name: str) -> Callable[..., Any]:
         """The engine method ``name`` a feature implements; a one-line error when none
         does."""
@@ -125,7 +154,7 @@ class Extensions:
                                  "implements it", where=section, hint=_REINSTALL)
 
 
-NEEDS_A_FEATURE = ("expert_parallel", "sequence_parallel")
+NEEDS_A_FEATURE = ("expert_parallel", "sequence_parallel", "data_efficiency")
 """Config sections only a feature package implements (monitors are checked by their own
 section: an enabled monitor with no sink registered is refused where it is built)."""
 

@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     # 4 the runtime: engine, strategies, ZeRO, parallelism, checkpoints, optimizers
     "runtime": 4,
     # 5 features, each plugging into the runtime through runtime/extensions.py
-    "moe": 5, "sequence": 5, "monitor": 5, "integrations": 5,
+    "moe": 5, "sequence": 5, "monitor": 5, "integrations": 5, "data_efficiency": 5,
     # 6 every DeepSpeed-shaped path
     "compat": 6,
 }

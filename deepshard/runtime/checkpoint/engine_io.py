@@ -171,6 +171,7 @@ def _shared(engine, model: dict, client_state) -> dict:
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
         "counters": dataclasses.asdict(engine.counters),
         "data_position": data_position.position(engine),
+        "features": {f.name: f.state_dict() for f in engine.features},
         "client_state": dict(client_state or {}),
     }
 
@@ -238,9 +239,18 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     if not load_module_only:
         _restore_schedule(engine, shared, load_lr_scheduler_states, own.get("rng"))
         data_position.restore(engine, shared.get("data_position"))
+        restore_features(engine, shared.get("features") or {})
     engine.strategy.zero_grad()
     engine.barrier()
     return str(path), shared["client_state"]
+
+
+def restore_features(engine, states: dict) -> None:
+    """Hand each attached feature its state from a checkpoint (a feature the checkpoint
+    has no state for starts afresh)."""
+    for feature in engine.features:
+        if feature.name in states:
+            feature.load_state_dict(states[feature.name])
 
 
 def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: bool,
@@ -266,6 +276,7 @@ def _load_deepspeed(engine, path: Path, strict: bool, load_optimizer_states: boo
                        load_optimizer=load_optimizer, manifest=loaded.manifest, path=path)
     if not load_module_only:
         _restore_schedule(engine, loaded.shared, load_lr_scheduler_states, None)
+        restore_features(engine, loaded.shared.get("features") or {})
     engine.strategy.zero_grad()
     engine.barrier()
     return str(path), from_deepspeed.client_state(loaded.top, load_optimizer,

@@ -180,6 +180,9 @@ def loaded(tag_dir: Path, top: Mapping[str, Any], out: ByName, stage: int,
                      "skipped_steps": int(top.get("skipped_steps", 0)),
                      "global_samples": int(top.get("global_samples", 0))},
         "data_position": None,
+        # DeepSpeed's data-efficiency states, for deepshard.data_efficiency's feature
+        "features": {"data_efficiency": {key: top[key] for key in ("random_ltd", "data_sampler")
+                                         if top.get(key) is not None}},
     }
     return Loaded(manifest, shared, out, dict(top), unread)
 
