@@ -6,7 +6,8 @@ PIP     := $(PY) -m pip install -q --disable-pip-version-check
 EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint docs bench bench-fanout bench-train bench-zero \
-	bench-parallel bench-hf bench-checkpoint bench-onebit bench-moe bench-long-seq bench-elastic plots clean
+	bench-parallel bench-hf bench-checkpoint bench-onebit bench-moe bench-long-seq bench-elastic \
+	bench-data-efficiency plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -85,6 +86,10 @@ bench-onebit: install
 # 4 gloo CPU ranks, ep 2 and 4; DeepSpeed 0.19.8 from its side venv (/tmp/dsvenv)
 bench-moe: install
 	$(PY) benchmarks/moe.py
+
+# the small GPT to the baseline's validation loss with curriculum, random-LTD and both
+bench-data-efficiency: install
+	$(PY) benchmarks/data_efficiency.py
 
 # the longest trainable sequence under a per-rank RSS budget, SP and ALST tiling vs not
 bench-long-seq: install-test

@@ -7,7 +7,8 @@ width 256, 6 blocks, 8 heads, sequence 256, micro-batch 16, AdamW lr 2e-3 with 2
 steps) on the standard library's source, validated on a held-out 10% of it. First the
 baseline trains ``--steps`` steps; its final validation loss is the target. Then each
 variant trains the same ``--steps`` (its schedules sized to them), going on up to
-``--max_factor`` x the steps until it reaches the target:
+``--max_factor`` x the steps until it has reached the target and trained as long as the
+baseline:
 
 * time to target: training wall seconds (evaluations not counted) until the validation loss
   is at or below the target, linearly interpolated between evaluations; the speed-up is
@@ -70,14 +71,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_variant(variant: str, args: argparse.Namespace, tmp: Path,
-                target: float | None) -> dict:
+                target: float | None, min_wall: float = 0.0) -> dict:
     """One worker process; its curve."""
     out = tmp / f"{variant}.json"
     argv = [sys.executable, str(WORKER), "--variant", variant, "--out", str(out),
             "--steps", str(args.steps), "--eval_every", str(args.eval_every),
             *args.worker_args.split()]
     if target is not None:
-        argv += ["--target", repr(target), "--stop_at_target",
+        argv += ["--target", repr(target), "--stop_at_target", "--min_wall", repr(min_wall),
                  "--max_steps", str(int(args.steps * args.max_factor))]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK")}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -182,9 +183,9 @@ def main() -> None:
         if base["status"] != "ok":
             sys.exit(f"baseline failed: {base['status']}")
         rows.append(summarize(base, base, args.steps))
-        target = base["curve"][-1]["val_loss"]
+        target, wall = base["curve"][-1]["val_loss"], base["curve"][-1]["wall_s"]
         for variant in args.variants[1:]:
-            rows.append(summarize(run_variant(variant, args, Path(tmp), target), base,
+            rows.append(summarize(run_variant(variant, args, Path(tmp), target, wall), base,
                                   args.steps))
     print(f"1 rank x 2 threads on {os.cpu_count()} cores, load average "
           f"{' '.join(f'{x:.2f}' for x in run.loadavg_start)} at the start, "

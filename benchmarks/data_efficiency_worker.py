@@ -16,8 +16,10 @@ engine's, configured only by the ``data_efficiency`` section a user would write:
 Every ``--eval_every`` steps (and at the end) the model's loss on a fixed held-out set (the
 last 10% of the corpus, full sequences, eval mode) is measured; that time is not counted.
 Writes ``--out`` (JSON): per evaluation the step, training wall seconds so far, training
-tokens so far (as fed to the model: after truncation) and the validation loss. Stops after
-``--steps`` steps, or earlier once ``--target`` is reached (``--stop_at_target``).
+tokens so far (as fed to the model: after truncation) and the validation loss. Trains
+``--steps`` steps; with ``--stop_at_target`` it goes on (up to ``--max_steps``) until the
+validation loss is at ``--target`` and the wall time at ``--min_wall``, so that both the time
+to the target and the loss at the baseline's budget are measured.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def main() -> None:
     parser.add_argument("--stop_at_target", action="store_true")
     parser.add_argument("--max_steps", type=int, default=None,
                         help="train on past --steps up to this many, until --target")
+    parser.add_argument("--min_wall", type=float, default=0.0,
+                        help="with --stop_at_target: train at least this many seconds")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -160,8 +164,9 @@ def main() -> None:
             print(f"{args.variant} step {step} wall {wall:.1f}s val {value:.4f} "
                   f"seq {x.shape[1]}", flush=True)
             reached = args.target is not None and value <= args.target
-            if reached and args.stop_at_target and step >= args.steps:
-                break  # (before --steps it goes on: the loss at --steps is compared too)
+            if reached and args.stop_at_target and step >= args.steps and \
+                    wall >= args.min_wall:
+                break
     Path(args.out).write_text(json.dumps({"variant": args.variant, "curve": curve,
                                           "settings": vars(args)}))
 

@@ -35,7 +35,8 @@ OUT = HERE.parent / "docs" / "plots"
 WIDTH_IN, DPI = 8.0, 100
 """Figures are 800 px wide: the README's width."""
 PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
-         "elastic": "elastic", "moe": "moe", "long_seq": "long_seq"}
+         "elastic": "elastic", "moe": "moe", "long_seq": "long_seq",
+         "data_efficiency": "data_efficiency"}
 """Plot name -> the benchmark record it draws."""
 COLORS = {"deepshard": "#1f77b4", "DeepSpeed": "#d62728", "torch, AdamW for-loop": "#7f7f7f",
           "torch, AdamW(fused=True)": "#bcbd22"}
@@ -473,8 +474,48 @@ def plot_long_seq(data: dict):
     return fig
 
 
+# ---------------------------------------------------------------- data_efficiency.png
+
+EFFICIENCY_COLORS = {"baseline": "#7f7f7f", "curriculum": "#2ca02c", "ltd": "#ff7f0e",
+                     "both": "#1f77b4"}
+
+
+def plot_data_efficiency(data: dict):
+    """Validation loss against training wall time, one curve per variant; the baseline's
+    final loss (the target) dashed, each variant's crossing of it marked."""
+    rows = [r for r in data["rows"] if r["status"] == "ok" and r.get("curve")]
+    if not rows:
+        raise PlotError("no variant that ran")
+    fig, ax = _figure(4.6)
+    target = rows[0]["target"]
+    for row in rows:
+        curve = row["curve"]
+        name = row["variant"]
+        label = name if row["speedup"] is None or name == "baseline" else \
+            f"{name} ({row['speedup']:.2f}x)"
+        ax.plot([p["wall_s"] for p in curve], [p["val_loss"] for p in curve],
+                color=EFFICIENCY_COLORS.get(name, "black"), label=label, linewidth=1.4)
+        if row["wall_to_target_s"] is not None:
+            ax.plot([row["wall_to_target_s"]], [target], "o", markersize=4,
+                    color=EFFICIENCY_COLORS.get(name, "black"))
+    ax.axhline(target, color="black", linestyle="--", linewidth=0.8,
+               label=f"baseline's final validation loss {target:.3f}")
+    low = min(p["val_loss"] for r in rows for p in r["curve"])
+    ax.set_ylim(low - 0.05, target + 1.0)
+    ax.set_xlabel("training wall time (s, evaluations excluded)")
+    ax.set_ylabel("validation loss (held-out 10%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    s = data["settings"]
+    fig.suptitle(f"Data efficiency: small GPT on the standard library's source, "
+                 f"{s['steps']} baseline steps, 1 rank x 2 threads", fontsize=10)
+    _layout(fig, top=0.95)
+    return fig
+
+
 DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
-        "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq}
+        "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq,
+        "data_efficiency": plot_data_efficiency}
 
 
 # ---------------------------------------------------------------- command line

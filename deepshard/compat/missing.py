@@ -104,10 +104,15 @@ MODULES: dict[str, Missing] = {
                                       "no deepshard equivalent"),
     "deepspeed.runtime.hybrid_engine": Missing("the RLHF hybrid engine",
                                                "no deepshard equivalent"),
-    "deepspeed.runtime.data_pipeline": Missing("data efficiency (curriculum learning, "
-                                               "random-LTD)",
-                                               "no deepshard equivalent; build the sampler "
-                                               "in your script"),
+    "deepspeed.runtime.data_pipeline.data_sampling.data_sampler": Missing(
+        "DeepSpeedDataSampler", "set data_efficiency.data_sampling.curriculum_learning in the "
+        "config: initialize(training_data=...) returns the curriculum loader"),
+    "deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset": Missing(
+        "MMapIndexedDataset", "deepshard.data_efficiency.index_files.open_index reads (and "
+        "write_index writes) the same .bin/.idx files"),
+    "deepspeed.runtime.data_pipeline.data_routing.scheduler": Missing(
+        "RandomLTDScheduler", "set data_efficiency.data_routing.random_ltd in the config: the "
+        "engine builds deepshard.data_efficiency.ltd_schedule.RandomLtdSchedule"),
     "deepspeed.runtime.swap_tensor": Missing("NVMe tensor swapping", _NVME),
     "deepspeed.runtime.superoffload": Missing("SuperOffload", _CPU_OFFLOAD),
     "deepspeed.runtime.zenflow": Missing("ZenFlow", _CPU_OFFLOAD),

@@ -53,6 +53,14 @@ MODULES: dict[str, str] = {
     "deepspeed.moe.utils": "deepshard.runtime.parallel.expert_params",
     "deepspeed.profiling.flops_profiler": "deepshard.runtime.flops_profiler_api",
     "deepspeed.profiling.flops_profiler.profiler": "deepshard.runtime.flops_profiler_api",
+    "deepspeed.runtime.data_pipeline.curriculum_scheduler": "deepshard.data_efficiency.curriculum",
+    "deepspeed.runtime.data_pipeline.data_routing.helper": "deepshard.data_efficiency.random_ltd",
+    "deepspeed.runtime.data_pipeline.data_routing.basic_layer":
+        "deepshard.data_efficiency.random_ltd",
+    "deepspeed.runtime.data_pipeline.data_sampling.data_analyzer":
+        "deepshard.data_efficiency.analyzer",
+    "deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr":
+        "deepshard.data_efficiency.dynamic_batching",
 }
 """DeepSpeed module -> the deepshard module it is."""
 
@@ -106,6 +114,9 @@ NAMES: dict[str, dict[str, str]] = {
         "ZeroStageEnum": "deepshard.runtime.zero.stages:ZeroStageEnum",
     },
     "deepspeed.runtime.fp16": {},
+    "deepspeed.runtime.data_pipeline": {},
+    "deepspeed.runtime.data_pipeline.data_routing": {},
+    "deepspeed.runtime.data_pipeline.data_sampling": {},
     "deepspeed.runtime.fp16.onebit": {},
     "deepspeed.runtime.fp16.onebit.adam": {
         name: f"deepshard.runtime.optim.onebit.adam:{name}" for name in ("OnebitAdam",

@@ -136,9 +136,12 @@ class CurriculumScheduler:
     difficulty is below ``max_difficulty`` and keeps it once reached.
     """
 
-    def __init__(self, spec: CurriculumMetric) -> None:
-        self.spec = spec
-        self.current_difficulty: float = spec.min_difficulty
+    def __init__(self, spec: CurriculumMetric | Mapping[str, Any]) -> None:
+        """``spec``: a metric's spec, or its DeepSpeed dict (as DeepSpeed's constructor
+        takes; errors then name ``curriculum_metrics.metric``)."""
+        self.spec = spec if isinstance(spec, CurriculumMetric) else \
+            CurriculumMetric.from_dict("metric", spec)
+        self.current_difficulty: float = self.spec.min_difficulty
         self.custom_get_difficulty: ScheduleFunction | None = None
 
     def set_custom_get_difficulty(self, schedule_function: ScheduleFunction) -> None:

@@ -40,16 +40,22 @@ class DataEfficiency:
     name = NAME
 
     def __init__(self, section: Mapping[str, Any], ltd: RandomLtdSchedule | None,
-                 curriculum: bool, pipeline: bool, module: Any):
+                 curriculum: bool, module: Any):
         self.section, self.ltd, self.curriculum = section, ltd, curriculum
         self.module = module
-        self.pipeline = pipeline
         self.loader: CurriculumLoader | None = None
         self._pending: dict[str, Any] | None = None  # a sampler state loaded before a loader
 
     # -- the engine's hooks -------------------------------------------------------------
     def before_forward(self, engine: Any) -> None:
-        """Step the kept-token schedule to the engine's global step (training only)."""
+        """Step the kept-token schedule to the engine's global step (training only); refuse
+        a curriculum whose loader the batches do not come from."""
+        if self.curriculum and self.loader is None and engine.module.training:
+            raise UsageError("curriculum learning is enabled but the batches do not come "
+                             "from its loader", where="data_efficiency.data_sampling."
+                             "curriculum_learning.enabled",
+                             hint="pass training_data= to initialize (or build the loader "
+                                  "with engine.deepspeed_io(dataset)), or disable it")
         if self.ltd is not None and engine.module.training:
             self.ltd.update_seq(engine.global_steps)
             self.ltd.position = engine.counters.micro_steps
@@ -59,12 +65,6 @@ class DataEfficiency:
         without a curriculum."""
         if not self.curriculum:
             return None
-        if self.pipeline:
-            raise UsageError("curriculum learning with pipeline parallelism is not "
-                             "supported", where="data_efficiency.data_sampling."
-                             "curriculum_learning.enabled",
-                             hint="train without pipeline stages, or feed train_batch() "
-                                  "your own iterator")
         sampling = self.section.get("data_sampling", {})
         sampler = CurriculumSampler.from_config(
             self.section, dataset_len=len(dataset),
@@ -136,13 +136,13 @@ def attach(engine: Any) -> DataEfficiency | None:
         spec = RandomLtdSpec.from_dict(section["data_routing"]["random_ltd"],
                                        global_batch_size=engine.train_batch_size())
         ltd = RandomLtdSchedule(spec, seed=cfg.seed, rank=engine.global_rank)
-    pipeline = getattr(engine, "num_stages", 1) > 1
-    if pipeline and ltd is not None:
-        raise UsageError("random-LTD with pipeline parallelism is not supported",
-                         where="data_efficiency.data_routing.random_ltd.enabled",
-                         hint="train without pipeline stages, or disable random_ltd")
-    made = DataEfficiency(section, ltd, sampling.curriculum_learning.enabled, pipeline,
-                          engine.module)
+    if getattr(engine, "num_stages", 1) > 1:
+        part = "data_routing.random_ltd" if ltd is not None else \
+            "data_sampling.curriculum_learning"
+        raise UsageError("curriculum learning and random-LTD are not supported with "
+                         "pipeline parallelism", where=f"data_efficiency.{part}.enabled",
+                         hint="train without pipeline stages, or disable it")
+    made = DataEfficiency(section, ltd, sampling.curriculum_learning.enabled, engine.module)
     if ltd is not None:
         made.random_ltd_initialize()
     return made

@@ -92,9 +92,16 @@ class EngineData:
                      num_local_io_workers: int | None = None):
         """DeepSpeed's loader for ``dataset``: this data-parallel rank's share of it
         (a ``DistributedSampler`` unless ``data_sampler`` is given), in micro-batches of
-        ``train_micro_batch_size_per_gpu`` unless ``batch_size`` says otherwise."""
-        del route  # DeepSpeed's train/eval tag: the loader is the same
+        ``train_micro_batch_size_per_gpu`` unless ``batch_size`` says otherwise. As in
+        DeepSpeed, a training loader (``route`` unset or ``"train"``, no sampler given) is
+        the curriculum's when ``data_efficiency`` enables curriculum learning."""
         from torch.utils.data import DataLoader, DistributedSampler
+
+        if data_sampler is None and route in (None, "train"):
+            for feature in self.features:
+                loader = feature.training_loader(self, dataset, collate_fn)
+                if loader is not None:
+                    return loader
 
         replicas, index = self.dp_world_size, self.dp_rank
         if self.sequence_parallel_size > 1:  # a sequence-parallel group shares its batches

@@ -84,7 +84,7 @@ def main() -> None:
     model = GPT(TINY)
     data = Windows()
     dynamic = opts.get("--dynamic")
-    engine, _, loader, scheduler = deepshard.initialize(
+    engine, _, loader, _ = deepshard.initialize(
         model=model, model_parameters=model.parameters(), config=config,
         training_data=None if dynamic else data)
     if dynamic:
@@ -92,8 +92,8 @@ def main() -> None:
             get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed as build,
         )
         seqlens = [Windows.length(i) for i in range(len(data))]
-        loader, scheduler, _ = build(data, engine, dataset_seqlens=seqlens,
-                                     dataloader_collate_fn=padded)
+        loader, _, _ = build(data, engine, dataset_seqlens=seqlens,
+                             dataloader_collate_fn=padded)
     if "--load" in opts:
         engine.load_checkpoint(opts["--load"])
     save_dir, _, save_at = opts.get("--save", "").partition(":")

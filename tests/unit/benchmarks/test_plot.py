@@ -15,6 +15,7 @@ from tests.helpers import ROOT
 pytest.importorskip("matplotlib")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import data_efficiency
 import elastic
 import fanout
 import launch
@@ -28,7 +29,7 @@ from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440,
-           "moe": 740, "long_seq": 640}
+           "moe": 740, "long_seq": 640, "data_efficiency": 460}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
@@ -118,13 +119,27 @@ def long_seq_record() -> dict:
         rows, long_seq.table(rows, 528.0))
 
 
+def data_efficiency_record() -> dict:
+    def curve(speed: float, floor: float) -> list[dict]:
+        return [{"step": s, "wall_s": s * speed, "tokens": s * 4096, "seq": 256,
+                 "val_loss": floor + 3.0 / s} for s in range(20, 420, 20)]
+    base = {"variant": "baseline", "status": "ok", "curve": curve(1.0, 1.5)}
+    rows = [data_efficiency.summarize(base, base, 400)] + [
+        data_efficiency.summarize({"variant": v, "status": "ok", "curve": curve(sp, fl)}, base,
+                                  400)
+        for v, sp, fl in (("curriculum", 0.8, 1.5), ("ltd", 0.85, 1.52), ("both", 0.7, 1.5))]
+    return record.Run("data_efficiency", {"steps": 400}).to_dict(
+        rows, data_efficiency.table(rows))
+
+
 @pytest.fixture
 def results(tmp_path):
     """A results folder with one record per benchmark, as the scripts write them."""
     folder = tmp_path / "results"
     folder.mkdir()
     for data in (zero_record(), parallel_record(), fanout_record(), launch_record(),
-                 elastic_record(), moe_record(), long_seq_record()):
+                 elastic_record(), moe_record(), long_seq_record(),
+                 data_efficiency_record()):
         (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
     return folder
 
@@ -197,3 +212,19 @@ def test_the_command_line_reports_a_missing_record_without_a_traceback(tmp_path)
 def test_the_quietest_round_is_the_lowest_median_of_a_rounds_steps():
     row = {"step_s": [1.0, 3.0, 2.0, 5.0, 4.0, 6.0, 0.9, 1.1]}
     assert plot.quietest_round(row, 3) == 1.0  # rounds [1 3 2] [5 4 6] [0.9 1.1]
+
+
+def test_data_efficiency_time_to_target_interpolates_and_reads_the_verdict():
+    base = {"variant": "baseline", "status": "ok", "curve": [
+        {"step": 10, "wall_s": 10.0, "tokens": 100, "val_loss": 3.0},
+        {"step": 20, "wall_s": 20.0, "tokens": 200, "val_loss": 2.0}]}
+    fast = {"variant": "both", "status": "ok", "curve": [
+        {"step": 10, "wall_s": 5.0, "tokens": 50, "val_loss": 2.5},
+        {"step": 20, "wall_s": 10.0, "tokens": 100, "val_loss": 1.5}]}
+    row = data_efficiency.summarize(fast, base, 20)
+    assert row["wall_to_target_s"] == pytest.approx(7.5)  # halfway between 2.5 and 1.5
+    assert row["speedup"] == pytest.approx(20 / 7.5)
+    assert row["val_at_steps"] == 1.5 and row["val_at_base_wall"] is None
+    rows = [data_efficiency.summarize(base, base, 20), row]
+    assert all("MET" in line and "NOT" not in line
+               for line in data_efficiency.verdicts(rows)[:1])

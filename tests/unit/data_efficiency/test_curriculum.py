@@ -123,3 +123,12 @@ def test_metrics_from_config():
     specs = metrics_from_config({"curriculum_metrics": {"a": _discrete([1, 2], [3]),
                                                         "b": _discrete([1, 2], [4])}})
     assert [s.name for s in specs] == ["a", "b"]
+
+
+def test_scheduler_takes_deepspeeds_dict():
+    """``CurriculumScheduler(config)`` as DeepSpeed's constructor is called."""
+    scheduler = CurriculumScheduler({"min_difficulty": 8, "max_difficulty": 64,
+                                     "schedule_type": "fixed_linear",
+                                     "schedule_config": {"total_curriculum_step": 10,
+                                                         "difficulty_step": 8}})
+    assert [scheduler.update_difficulty(s) for s in (1, 5, 10, 20)] == [8, 32, 64, 64]
