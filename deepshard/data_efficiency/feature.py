@@ -17,7 +17,6 @@ Dynamic batching is built by the script, as in DeepSpeed
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,8 +25,6 @@ from deepshard.data_efficiency.loader import CurriculumLoader, PostProcess
 from deepshard.data_efficiency.ltd_schedule import RandomLtdSchedule, RandomLtdSpec
 from deepshard.data_efficiency.sampler import CurriculumSampler
 from deepshard.errors import UsageError
-
-logger = logging.getLogger("deepshard")
 
 NAME = "data_efficiency"
 """The feature's name, and the key of its state in deepshard's checkpoints."""
