@@ -132,7 +132,14 @@ def attach(engine: Any) -> DataEfficiency | None:
     if routing.random_ltd.enabled:
         spec = RandomLtdSpec.from_dict(section["data_routing"]["random_ltd"],
                                        global_batch_size=engine.train_batch_size())
-        ltd = RandomLtdSchedule(spec, seed=cfg.seed, rank=engine.global_rank)
+        # keyed by the data-parallel rank: the tensor-parallel ranks of a group hold the
+        # same tokens and must drop the same ones
+        ltd = RandomLtdSchedule(spec, seed=cfg.seed, rank=engine.dp_rank)
+        if engine.sequence_parallel_size > 1:
+            raise UsageError("random-LTD with sequence parallelism is not supported (each "
+                             "rank holds a part of the sequence)",
+                             where="data_efficiency.data_routing.random_ltd.enabled",
+                             hint="set sequence_parallel_size to 1, or disable random_ltd")
     if getattr(engine, "num_stages", 1) > 1:
         part = "data_routing.random_ltd" if ltd is not None else \
             "data_sampling.curriculum_learning"

@@ -198,8 +198,9 @@ class RandomLtdSchedule:
     ``seq_per_step``, capped at ``max``. The engine calls :meth:`update_seq` before every
     training forward; the dropping layers read :meth:`get_current_seq`.
 
-    Which tokens a layer keeps is drawn from :meth:`draw_key` (``seed``, ``rank``, the
-    engine's micro-step ``position`` and the layer), not from torch's global generator: a
+    Which tokens a layer keeps is drawn from :meth:`draw_key` (``seed``, ``rank`` — the
+    data-parallel rank, so tensor-parallel ranks drop alike —, the engine's micro-step
+    ``position`` and the layer), not from torch's global generator: a
     resumed run draws what the uninterrupted one drew whatever else consumed random numbers
     in between (a data loader's iterator does), and a recomputation under activation
     checkpointing draws the positions of its forward.
