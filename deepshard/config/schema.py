@@ -28,6 +28,7 @@ from deepshard.config.schema_base import (
     one_of,
 )
 from deepshard.config.schema_comm import CommsLoggerConfig
+from deepshard.config.schema_compile import CompileConfig
 from deepshard.config.schema_data import DataEfficiencyConfig
 from deepshard.config.schema_elastic import ElasticityConfig
 from deepshard.config.schema_monitor import (
@@ -233,7 +234,7 @@ class DeepShardConfig(Section):
         "use_data_before_expert_parallelism", "allgather_size",
         "data_parallel_size",
         "torch_autocast", "aio",
-        "autotuning", "compile", "timers",
+        "autotuning", "timers",
         "hybrid_engine",
         "weight_quantization", "datastates_ckpt",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
@@ -309,6 +310,10 @@ class DeepShardConfig(Section):
     sequence_parallel: SequenceParallelConfig = doc(
         "ALST's memory switches for long sequences (tiled MLP, tiled logits + loss, "
         "checkpointed activations in host memory).", default_factory=SequenceParallelConfig)
+    compile: CompileConfig = doc(
+        "Compile the model at initialize (torch.compile), in DeepSpeed 0.19.8's DeepCompile "
+        "schema or the torch.compile one of DeepSpeed <= 0.15.",
+        default_factory=CompileConfig)
     wall_clock_breakdown: Bool = doc(
         "Time forward, backward and step: a 'time (ms)' line on rank 0 every "
         "steps_per_print steps (every step when that is unset), and elapsed_time_ms_* "
@@ -362,6 +367,21 @@ class DeepShardConfig(Section):
                              f"not {wanted} (DeepSpeed refuses this mix at stage 0 too)",
                              where=log.where("data_types.grad_accum_dtype"),
                              hint=f"set it to {training!r} or remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_pass_matches_the_stage(self, info: ValidationInfo) -> DeepShardConfig:
+        passes, stage = self.compile.passes or [], self.zero_optimization.stage
+        wrong = ("z1" if stage == 3 and "z1" in passes
+                 else "z3" if stage < 3 and "z3" in passes else None)
+        if wrong is not None:
+            log = key_log(info) or KeyLog()
+            raise UsageError(f"the DeepCompile pass {wrong!r} does not match ZeRO stage "
+                             f"{stage} (DeepSpeed would partition differently)",
+                             where=log.where("compile.passes"),
+                             hint="deepshard's ZeRO stage is zero_optimization.stage: remove "
+                                  f"{wrong!r} from compile.passes, or use "
+                                  f"{'z3' if stage == 3 else 'z1'}")
         return self
 
     @model_validator(mode="after")

@@ -96,6 +96,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         norm_excluded=excluded, mp_group=_model_group(mpu), mpu=mpu, zero=zero,
         extensions=extensions, given=loaded.given)
     engine = layout.engine(parts) if layout is not None else DeepShardEngine(parts)
+    if cfg.compile.at_initialize:  # the compile section (either of DeepSpeed's schemas)
+        engine.compile()
     loader = None if training_data is None else engine.training_loader(training_data,
                                                                        collate_fn)
     _maybe_resume(engine, cfg)

@@ -41,6 +41,7 @@ from deepshard.config.given import GivenConfig
 from deepshard.errors import UsageAssertionError, UsageError
 from deepshard.liveness import heartbeat
 from deepshard.runtime.backward import BackwardDriver
+from deepshard.runtime.compiled import CompiledModel, CompileRequest, plan_compile
 from deepshard.runtime.engine_getters import EngineGetters
 from deepshard.runtime.engine_monitor import EngineMonitor
 from deepshard.runtime.engine_persistence import EngineData, EnginePersistence
@@ -106,7 +107,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         self.strategy = parts.strategy
         self._config, self._zero, self._extensions = parts.config, parts.zero, parts.extensions
         self._given = GivenConfig(parts.given, parts.config)
-        self._compiled = False
+        self._compiled: CompiledModel | None = None
         self._states: StateMover | None = None  # offload_states(), made on first use
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.lr_scheduler
@@ -225,22 +226,35 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
 
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
-        """DeepSpeed's ``engine.compile``: ``torch.compile`` the module in place
-        (``nn.Module.compile``: ``engine(...)`` then runs the compiled forward), at every
-        ZeRO stage. ``backend`` defaults to torch's (``inductor``); DeepSpeed's DeepCompile
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the model in place, at every
+        ZeRO stage (:mod:`deepshard.runtime.compiled`: the whole model at stages 0-2, each
+        block on its own at stage 3, its gathers outside the compiled code); ``engine(...)``
+        then runs the compiled forward. ``backend`` defaults to the ``compile`` config
+        section's (``inductor``); ``compile_kwargs`` are more ``torch.compile`` arguments
+        (a ``backend`` among them is overridden, as in DeepSpeed). DeepSpeed's DeepCompile
         ``schedule`` and compiled autograd are refused. A second call is a no-op."""
         if schedule is not None or compiled_autograd_enabled:
             raise UsageError("engine.compile(schedule=..., compiled_autograd_enabled=...) is "
-                             "DeepSpeed's DeepCompile, which deepshard does not have",
+                             "DeepSpeed's DeepCompile / compiled autograd, which deepshard "
+                             "does not have",
                              where="engine.compile",
                              hint="call engine.compile() or engine.compile(backend=...) "
                                   "without them")
-        if self._compiled:
+        if self._compiled is not None:
             return
-        kwargs = dict(compile_kwargs or {})
-        kwargs["backend"] = backend or kwargs.get("backend") or "inductor"
-        self.module.compile(**kwargs)
-        self._compiled = True
+        section = self._config.compile
+        kwargs = dict(section.compile_kwargs if compile_kwargs is None else compile_kwargs)
+        given = kwargs.pop("backend", None)
+        if backend and given and given != backend and self.global_rank == 0:
+            logger.warning("engine.compile: backend=%r overrides compile_kwargs' %r",
+                           backend, given)
+        request = CompileRequest(backend or given or section.backend_name, kwargs,
+                                 section.debug)
+        units = self.strategy.gathered_units()
+        names = {id(m): name for name, m in self.module.named_modules()}
+        plan = plan_compile(None if units is None else [names[id(m)] for m in units])
+        self._compiled = CompiledModel(self.module, plan, request, self.global_rank)
+        self._compiled.apply()
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
@@ -275,7 +289,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
     @property
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` ran."""
-        return self._compiled
+        return self._compiled is not None
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -379,6 +393,8 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         heartbeat(c.global_steps, loss=self._monitor.step_loss())
         self._monitor.end("step")
         self._monitor.after_step(self)
+        if self._compiled is not None:
+            self._compiled.report_step(c.global_steps)
         self._report(time.perf_counter() - started)
 
     def _apply(self) -> bool:

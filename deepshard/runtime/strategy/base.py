@@ -55,6 +55,12 @@ class DataParallelStrategy(ABC):
         """Parameters are sharded between steps (stage 3): whole only when gathered."""
         return False
 
+    def gathered_units(self) -> list[torch.nn.Module] | None:
+        """The modules whose parameters are gathered around their own call (stage 3's
+        units, the root first), or None when no parameter is gathered in the forward:
+        what ``engine.compile()`` compiles one by one (:mod:`deepshard.runtime.compiled`)."""
+        return None
+
     # -- backward ---------------------------------------------------------------------
     @abstractmethod
     def begin_backward(self, boundary: bool) -> None:

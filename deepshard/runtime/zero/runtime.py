@@ -61,6 +61,11 @@ class ZeroStrategy(DataParallelStrategy):
     def partitions_params(self) -> bool:
         return self.coordinator is not None
 
+    def gathered_units(self) -> list[torch.nn.Module] | None:
+        if self.coordinator is None:
+            return None
+        return [unit.module for unit in self.coordinator.units]
+
     # -- backward ---------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self.grads.begin_backward(boundary)
