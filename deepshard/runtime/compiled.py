@@ -29,6 +29,7 @@ gives the difference since :meth:`CompiledModel.apply`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,11 @@ class CompileRequest:
     """More ``torch.compile`` arguments (``mode``, ``dynamic``, ``fullgraph``, ``options``)."""
     debug: bool = False
     """Log every graph break's reason and every recompilation (``compile.debug_log``)."""
+    compiled_autograd: bool = False
+    """Also compile ``engine.backward``'s autograd graph (torch's compiled autograd), as
+    DeepSpeed's ``compiled_autograd_enabled``. The engine's gradient hooks (reduction,
+    ZeRO-3's gathers) run in Python, so it breaks into a graph per hook: correct, rarely
+    faster."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,15 @@ class CompiledModel:
             module = self.model.get_submodule(name)
             # an instance attribute: Module.__call__ (and its hooks) stay eager around it
             module.forward = torch.compile(module.forward, **kwargs)
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """Where ``engine.backward`` runs autograd: compiled autograd when asked for."""
+        if not self.request.compiled_autograd:
+            return contextlib.nullcontext()
+        from torch._dynamo import compiled_autograd
+
+        return compiled_autograd._enable(torch.compile(backend=self.request.backend,
+                                                       **self.request.kwargs))
 
     @property
     def graphs(self) -> int:

@@ -231,15 +231,15 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
         block on its own at stage 3, its gathers outside the compiled code); ``engine(...)``
         then runs the compiled forward. ``backend`` defaults to the ``compile`` config
         section's (``inductor``); ``compile_kwargs`` are more ``torch.compile`` arguments
-        (a ``backend`` among them is overridden, as in DeepSpeed). DeepSpeed's DeepCompile
-        ``schedule`` and compiled autograd are refused. A second call is a no-op."""
-        if schedule is not None or compiled_autograd_enabled:
-            raise UsageError("engine.compile(schedule=..., compiled_autograd_enabled=...) is "
-                             "DeepSpeed's DeepCompile / compiled autograd, which deepshard "
-                             "does not have",
+        (a ``backend`` among them is overridden, as in DeepSpeed);
+        ``compiled_autograd_enabled`` compiles ``engine.backward``'s autograd graph too.
+        DeepSpeed's DeepCompile ``schedule`` is refused. A second call is a no-op."""
+        if schedule is not None:
+            raise UsageError("engine.compile(schedule=...) is a DeepCompile schedule, which "
+                             "deepshard does not have",
                              where="engine.compile",
-                             hint="call engine.compile() or engine.compile(backend=...) "
-                                  "without them")
+                             hint="call engine.compile() without it: deepshard compiles "
+                                  "each ZeRO-3 block with its gathers outside the graph")
         if self._compiled is not None:
             return
         section = self._config.compile
@@ -249,7 +249,7 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
             logger.warning("engine.compile: backend=%r overrides compile_kwargs' %r",
                            backend, given)
         request = CompileRequest(backend or given or section.backend_name, kwargs,
-                                 section.debug)
+                                 section.debug, compiled_autograd_enabled)
         units = self.strategy.gathered_units()
         names = {id(m): name for name, m in self.module.named_modules()}
         plan = plan_compile(None if units is None else [names[id(m)] for m in units])
@@ -320,7 +320,9 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
     def run_backward(self, autograd: Callable[[], None], boundary: bool) -> None:
         """Run ``autograd`` (its loss scaled already) between the strategy's
         ``begin_backward`` and ``end_backward`` (``abort_backward`` when it raises)."""
-        self._driver.explicit(autograd, boundary)
+        with (self._compiled.backward_context() if self._compiled is not None
+              else contextlib.nullcontext()):
+            self._driver.explicit(autograd, boundary)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's manual backward: ``engine.scale(loss).backward()`` applies the fp16

@@ -41,6 +41,7 @@ CASES = [
     _case("z3-deepcompile-shapes", how="config", compile={"deepcompile": True},
           shapes=[32, 24, 16, 28, 20], config={"zero_optimization": Z3}),
     _case("pipe", pipe=True, config={"gradient_accumulation_steps": 2}),
+    _case("z2-compiled-autograd", autograd=True, config={"zero_optimization": {"stage": 2}}),
 ]
 HALF = {"z1-bf16": 2e-2, "z2-fp16": 2e-2}
 

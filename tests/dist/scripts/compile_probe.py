@@ -4,10 +4,11 @@
 
 ``cases.json`` is a list of cases, each ``{"name", "config", "how", "steps"}`` plus
 optional ``"checkpointing": true`` (every block through ``deepshard.checkpointing``),
-``"pipe": true`` (the GPT as a 2-stage ``PipelineModule``, trained with ``train_batch``)
-and ``"shapes": [seq, ...]`` (one sequence length per step: a changing shape). ``how`` says
-how the compiled twin compiles: ``"call"`` (``engine.compile()`` after ``initialize``) or
-``"config"`` (the config's own ``compile`` section, given in ``"compile"``).
+``"pipe": true`` (the GPT as a 2-stage ``PipelineModule``, trained with ``train_batch``),
+``"autograd": true`` (``compiled_autograd_enabled=True``) and ``"shapes": [seq, ...]``
+(one sequence length per step: a changing shape). ``how`` says how the compiled twin
+compiles: ``"call"`` (``engine.compile()`` after ``initialize``) or ``"config"`` (the
+config's own ``compile`` section, given in ``"compile"``).
 
 Each case trains the tiny GPT twice from the same seed on the same batches, eager then
 compiled, and prints one ``RESULT {json}`` line per rank and case: both loss curves, the
@@ -79,7 +80,7 @@ def run(case: dict, corpus, compiled: bool) -> dict:
     engine, _, _, _ = deepshard.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     if compiled and case["how"] == "call":
-        engine.compile()
+        engine.compile(compiled_autograd_enabled=bool(case.get("autograd")))
         engine.compile()  # a second call changes nothing
     losses, graphs = [], []
     shapes = case.get("shapes") or [cfg.seq_len] * case["steps"]

@@ -171,8 +171,11 @@ def train(args: argparse.Namespace, model_dir: Path) -> None:
         result["eval_loss_before"] = first
     if args.compile:
         engine = trainer.model_wrapped
-        result["compiled"] = bool(getattr(engine, "is_compiled", False)) and getattr(
-            engine.module, "_compiled_call_impl", None) is not None
+        # the whole model (stages 0-2), or each decoder layer's forward (stage 3)
+        result["compiled"] = bool(getattr(engine, "is_compiled", False)) and (
+            getattr(engine.module, "_compiled_call_impl", None) is not None
+            or any(hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")
+                   for m in engine.module.modules()))
     if args.evaluate:
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
     if args.save_model:
