@@ -7,7 +7,7 @@ EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint docs bench bench-fanout bench-train bench-zero \
 	bench-parallel bench-hf bench-checkpoint bench-onebit bench-moe bench-long-seq bench-elastic \
-	bench-data-efficiency plots clean
+	bench-data-efficiency bench-compile plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -68,6 +68,11 @@ bench-train: install
 bench-zero: install
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/zero.py --adam
+
+# engine.compile() (inductor) beside eager at ZeRO 0-3, deepshard and DeepSpeed 0.19.8 (from
+# its side venv, /tmp/dsvenv), and torch.compile'd DDP: benchmarks/results/zero_compile.json
+bench-compile: install
+	$(PY) benchmarks/zero.py --compile
 
 bench-parallel: install
 	$(PY) benchmarks/parallel.py

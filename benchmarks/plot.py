@@ -11,9 +11,14 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
     moe.png      MoE GPT tokens/s, peak RSS and all-to-all bytes by ep, beside DeepSpeed
     long_seq.png longest sequence under a per-rank RSS budget by SP size, tiled and not,
                  and tokens/s beside DeepSpeed's Ulysses at those lengths
+    data_efficiency.png
+                 validation loss against wall time: baseline, curriculum, random-LTD, both
+    zero_compile.png
+                 step time, compile time and peak RSS by ZeRO stage: deepshard and
+                 DeepSpeed, eager and engine.compile()'d, beside DDP eager and compiled
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
-                              [--only zero,fanout,bubble,launch,elastic,moe,long_seq]
+                              [--only zero,fanout,...,zero_compile]
 
 A missing or malformed record is one line naming the file, and exit status 2. Every
 number drawn comes from a record; the footer gives the run's date, commit and load.
@@ -36,8 +41,10 @@ WIDTH_IN, DPI = 8.0, 100
 """Figures are 800 px wide: the README's width."""
 PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
          "elastic": "elastic", "moe": "moe", "long_seq": "long_seq",
-         "data_efficiency": "data_efficiency"}
+         "data_efficiency": "data_efficiency", "zero_compile": "zero_compile"}
 """Plot name -> the benchmark record it draws."""
+SOURCES = {"zero_compile": "zero.py --compile"}
+"""Record name -> the command that writes it, where that is not ``<name>.py``."""
 COLORS = {"deepshard": "#1f77b4", "DeepSpeed": "#d62728", "torch, AdamW for-loop": "#7f7f7f",
           "torch, AdamW(fused=True)": "#bcbd22"}
 
@@ -54,7 +61,8 @@ def footer(fig, data: dict) -> None:
         load = f"; load average {m['loadavg_start'][0]:.2f} at start"
         if m.get("loadavg_end"):
             load += f", {m['loadavg_end'][0]:.2f} at end"
-    fig.text(0.01, 0.008, f"benchmarks/{data['benchmark']}.py, run {data['date']}, commit "
+    source = SOURCES.get(data["benchmark"], f"{data['benchmark']}.py")
+    fig.text(0.01, 0.008, f"benchmarks/{source}, run {data['date']}, commit "
              f"{data['commit']}; {m.get('cores', '?')} cores ({m.get('cpu', '?')}){load}",
              fontsize=7, color="#555555", ha="left", va="bottom")
 
@@ -513,9 +521,74 @@ def plot_data_efficiency(data: dict):
     return fig
 
 
+# ---------------------------------------------------------------- zero_compile.png
+
+COMPILE_SERIES = {("deepshard", False): ("deepshard eager", "#aec7e8"),
+                  ("deepshard", True): ("deepshard engine.compile()", COLORS["deepshard"]),
+                  ("deepspeed", False): ("DeepSpeed eager", "#ff9896"),
+                  ("deepspeed", True): ("DeepSpeed engine.compile()", COLORS["DeepSpeed"])}
+"""(runtime, compiled) -> (label, colour) of each bar of a stage's group."""
+COMPILE_DDP = {False: ("DDP, AdamW(fused=True)", "--"), True: ("DDP of model.compile()", ":")}
+"""compiled -> (label, line style) of the DDP reference lines."""
+COMPILE_PANELS = (("median_s", "s / step (rank 0, median)",
+                   "Step time after warm-up (label: x faster than the same runtime eager)"),
+                  ("compile_s", "first step (s)",
+                   "Compile time: the first step's wall time, fresh Inductor cache"),
+                  ("rss", "peak RSS per rank (MiB)", "Peak resident memory (bar: the higher "
+                   "rank, dots: each rank)"))
+"""(value, y label, title) of each panel of zero_compile.png."""
+
+
+def _compile_value(row: dict, key: str) -> float:
+    return max(row["peak_rss_mib"]) if key == "rss" else row[key]
+
+
+def plot_zero_compile(data: dict):
+    """Three panels by ZeRO stage, bars for deepshard and DeepSpeed, eager and compiled:
+    step time (compiled bars labelled with their speed-up over eager), compile time and
+    peak RSS; DDP eager and compiled as horizontal lines."""
+    ran = [r for r in data["rows"] if r["status"] == "ok"]
+    engines = [r for r in ran if (r["runtime"], r["compiled"]) in COMPILE_SERIES]
+    stages = sorted({r["stage"] for r in engines})
+    if not stages:
+        raise PlotError("no deepshard or DeepSpeed peer that ran")
+    fig, axes = _figure(7.4, 3)
+    width = 0.2
+    order = list(COMPILE_SERIES)
+    for ax, (key, ylabel, title) in zip(axes, COMPILE_PANELS, strict=True):
+        for r in engines:
+            i = order.index((r["runtime"], r["compiled"]))
+            x = stages.index(r["stage"]) + (i - 1.5) * width
+            label, color = COMPILE_SERIES[(r["runtime"], r["compiled"])]
+            ax.bar(x, _compile_value(r, key), width * 0.95, color=color, label=label)
+            if key == "rss":
+                ax.plot([x] * len(r["peak_rss_mib"]), r["peak_rss_mib"], ".", color="black",
+                        markersize=3, label="each rank")
+            if key == "median_s" and r["compiled"] and r["speedup_vs_eager"]:
+                ax.annotate(f"{r['speedup_vs_eager']:.2f}x", (x, r["median_s"]),
+                            textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
+        for r in (r for r in ran if r["runtime"] == "ddp"):
+            label, style = COMPILE_DDP[r["compiled"]]
+            ax.axhline(_compile_value(r, key), color="black", linestyle=style, linewidth=1,
+                       label=label)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room for the speed-up labels
+        ax.set_xticks(range(len(stages)), [f"ZeRO {s}" for s in stages], fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    s = data["settings"]
+    fig.suptitle(f"Compiled training (inductor): GPT 27.4M fp32, {s['world']} CPU ranks x "
+                 f"{s['threads_per_rank']} thread, median of {s['rounds']} rounds x "
+                 f"{s['steps']} steps", fontsize=10, y=0.995)
+    _layout(fig, top=0.92)
+    _figure_legend(fig, axes, 0.935)
+    return fig
+
+
 DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
         "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq,
-        "data_efficiency": plot_data_efficiency}
+        "data_efficiency": plot_data_efficiency, "zero_compile": plot_zero_compile}
 
 
 # ---------------------------------------------------------------- command line

@@ -112,10 +112,11 @@ def worker(peer: Peer, steps: int, warmup: int) -> None:
 
 
 def timed_steps(name: str, model, train_step, optimizer: str, params: int, steps: int,
-                warmup: int) -> None:
+                warmup: int, extra=None) -> None:
     """Run ``warmup`` then ``steps`` timed steps of ``train_step(x, y)`` on this rank's
-    batches (a barrier before and after each) and print the result line; shared by the
-    benchmarks that train the example GPT."""
+    batches (a barrier before and after each) and print the result line (the warm-up
+    steps' times too, as ``warmup_s``, and the dict ``extra()`` returns after the last
+    step, when given); shared by the benchmarks that train the example GPT."""
     import gpt
     import torch
     import torch.distributed as dist
@@ -132,10 +133,11 @@ def timed_steps(name: str, model, train_step, optimizer: str, params: int, steps
         dist.barrier()
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
-    result = {"peer": name, "rank": rank, "step_s": times[warmup:], "params": params,
+    result = {"peer": name, "rank": rank, "step_s": times[warmup:], "warmup_s": times[:warmup],
+              "params": params,
               "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
               "optimizer": optimizer, "losses": losses, "torch": torch.__version__,
-              "backend": dist.get_backend()}
+              "backend": dist.get_backend(), **(extra() if extra else {})}
     print(RESULT_TAG + json.dumps(result), flush=True)
     dist.destroy_process_group()
 

@@ -11,6 +11,7 @@ peer, up to rounding, when they all compute the same thing; the script says if n
 
     python benchmarks/zero.py [--steps 10] [--warmup 3] [--rounds 3] [--peers ddp,fsdp2]
     python benchmarks/zero.py --adam [--adam-numel 27369472,273694720] [--adam-steps 20]
+    python benchmarks/zero.py --compile [--stages 0,1,2,3] [--steps 10] [--rounds 3]
 
 Peers:
     ddp, ddp-fused          torch DistributedDataParallel, torch.optim.AdamW as users write it
@@ -36,6 +37,30 @@ Peers:
     *-zN-torchbwd           the same engine driven PyTorch-style: ``loss.backward()`` then
                             ``engine.step()`` (DeepSpeed 0.19.8 accepts it at ZeRO 1-3, not at
                             stage 0): what the engine's output hooks cost
+
+``--compile`` selects another peer set (``COMPILE_PEERS``), compiled training beside eager
+(the report, its ratios and targets: ``benchmarks/zero_compile.py``; its record:
+``zero_compile.json``):
+
+    ddp-fused               as above (eager), the reference of the loss check
+    ddp-compiled            ``model.compile(backend="inductor")``, then DistributedDataParallel
+                            of it, AdamW(fused=True): the order PyTorch documents for DDP
+                            ("Where to apply torch.compile?": compile the inner module, then
+                            wrap; torch.compile handles the DDP wrapper itself poorly)
+    deepshard-zN, deepspeed-zN            stage N = 0-3, eager, as above
+    deepshard-zN-compiled, deepspeed-zN-compiled
+                            the same engine with ``engine.compile(backend="inductor")`` right
+                            after ``initialize`` (DeepSpeed's own engine.compile for its twin)
+
+Every peer then does at least ``MIN_COMPILE_WARMUP`` (3) warm-up steps, so that the timed
+steps follow compilation and any recompilation of the first steps. The compile time is the
+first step's wall time (rank 0, barrier to barrier; the median over rounds): it holds
+Dynamo's tracing and Inductor's code generation and C++ builds of the forward and, in the
+first backward, of the backward, plus one step's own work. Each worker process of a
+compiled peer gets a fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (a temporary folder, removed
+after the peer), so no peer or round reuses what another compiled: without it all would
+share /tmp/torchinductor_$USER and only the first would pay for compiling. Peak RSS is the
+rank process's own (``ru_maxrss``), not that of Inductor's compile worker processes.
 
 What DeepSpeed 0.19.8 needs on CPU: nothing in the config. The workers get
 ``DS_ACCELERATOR=cpu``, as train.py's do, which only spares the probe (without it DeepSpeed
@@ -68,7 +93,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -100,6 +125,11 @@ from train import (  # noqa: E402
 ZERO_SETUPS = (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z2-offload", 2, True),
                ("z3", 3, False), ("z3-offload", 3, True))
 """(suffix, stage, offload) of the DeepSpeed and deepshard peers."""
+COMPILE_STAGES = (0, 1, 2, 3)
+"""The ZeRO stages of the ``--compile`` peers."""
+COMPILE_BACKEND = "inductor"
+MIN_COMPILE_WARMUP = 3
+"""Warm-up steps that ``--compile`` runs at least: compilation, then any recompilation."""
 LOSS_TOLERANCE = 1e-3
 """Largest difference to DDP's last loss that still counts as the same computation."""
 ADAM_THREADS = 2
@@ -120,6 +150,9 @@ class Peer:
     fused: bool = False
     torch_backward: bool = False
     """``loss.backward()`` instead of ``engine.backward(loss)``."""
+    compiled: bool = False
+    """``torch.compile`` (inductor): ``engine.compile()`` right after ``initialize`` for
+    the engines, ``model.compile()`` before the DDP wrap for DDP."""
 
     @property
     def same_math(self) -> bool:
@@ -170,6 +203,24 @@ def _peers() -> dict[str, Peer]:
 PEERS = _peers()
 
 
+def _compile_peers() -> dict[str, Peer]:
+    peers = [PEERS["ddp-fused"],
+             Peer("ddp-compiled", "ddp", "DistributedDataParallel of model.compile()",
+                  fused=True, compiled=True)]
+    for stage in COMPILE_STAGES:
+        for runtime in ("deepshard", "deepspeed"):
+            eager = PEERS[f"{runtime}-z{stage}"]
+            peers += [eager, replace(eager, name=f"{eager.name}-compiled",
+                                     note=f"stage {stage}, engine.compile()", compiled=True)]
+    return {p.name: p for p in peers}
+
+
+COMPILE_PEERS = _compile_peers()
+"""The ``--compile`` peer set: DDP, then per stage deepshard and DeepSpeed, eager and
+compiled."""
+ALL_PEERS = {**PEERS, **COMPILE_PEERS}
+
+
 # ---------------------------------------------------------------- worker (one rank)
 
 def worker(peer: Peer, steps: int, warmup: int) -> None:
@@ -183,13 +234,25 @@ def worker(peer: Peer, steps: int, warmup: int) -> None:
     torch.manual_seed(0)
     model = gpt.GPT(gpt.GPTConfig())
     params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 empties them
+    if peer.compiled and peer.runtime == "ddp":
+        model.compile(backend=COMPILE_BACKEND)  # then DDP wraps it: the documented order
     build = {"ddp": lambda: _build_ddp(model, fused=peer.fused),
              "floor": lambda: _build_floor(model),
              "fsdp2": lambda: _build_fsdp2(model, fused=peer.fused)}.get(peer.runtime)
     train_step, optimizer = build() if build else _build_engine(peer, model)
     if build and optimizer == "AdamW":  # torch's default implementation for CPU tensors
         optimizer = "AdamW(for-loop)"
-    timed_steps(peer.name, model, train_step, optimizer, params, steps, warmup)
+    timed_steps(peer.name, model, train_step, optimizer, params, steps, warmup,
+                extra=_dynamo_stats if peer.compiled else None)
+
+
+def _dynamo_stats() -> dict:
+    """What Dynamo compiled in this process: forward graphs and graph breaks (a graph
+    break splits the forward into more, smaller graphs, each run with eager code between)."""
+    from torch._dynamo.utils import counters
+
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def _build_floor(model):
@@ -228,6 +291,8 @@ def _build_engine(peer: Peer, model):
     library.init_distributed()
     engine, optimizer, _, _ = library.initialize(model=model, model_parameters=model.parameters(),
                                                  config=peer.config)
+    if peer.compiled:
+        engine.compile(backend=COMPILE_BACKEND)
 
     def train_step(x, y):
         loss = engine(x, y)
@@ -259,8 +324,8 @@ def run_peer(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
     argv = [python, str(Path(__file__).resolve()), "--worker", peer.name,
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
     with tempfile.TemporaryDirectory(prefix=f"bench-{peer.name}-") as tmp:
-        procs = [_spawn(argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                        Path(tmp) / str(rank)) for rank in range(WORLD)]
+        procs = [_spawn(argv, _rank_env(env, rank, peer, Path(tmp)), Path(tmp) / str(rank))
+                 for rank in range(WORLD)]
         codes = wait_all(procs, args.timeout)
         if None in codes:
             return Outcome(peer, why_not=f"failed: timed out after {args.timeout:.0f} s")
@@ -272,6 +337,14 @@ def run_peer(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
             line = error_line(Path(tmp) / f"{rank}.err")
             return Outcome(peer, why_not=f"failed: {line} (rank {rank}, exit {codes[rank]})")
         return _collect(peer, procs, Path(tmp))
+
+
+def _rank_env(env: dict, rank: int, peer: Peer, tmp: Path) -> dict:
+    """``env`` for one rank; a compiled peer's rank gets its own empty Inductor cache."""
+    ours = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    if peer.compiled:
+        ours["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / f"inductor-{rank}")
+    return ours
 
 
 def _spawn(argv: list[str], env: dict, stem: Path) -> subprocess.Popen:
@@ -331,7 +404,7 @@ def loss_check(outcomes: list[Outcome]) -> str:
               if o.ranks and o.peer.same_math}
     if len(finals) < 2:
         return "final losses: fewer than 2 peers ran, nothing to compare"
-    reference = finals.get("ddp", next(iter(finals.values())))
+    reference = finals.get("ddp", finals.get("ddp-fused", next(iter(finals.values()))))
     off = {name: loss for name, loss in finals.items() if abs(loss - reference) > LOSS_TOLERANCE}
     spread = max(finals.values()) - min(finals.values())
     if not off:
@@ -341,7 +414,8 @@ def loss_check(outcomes: list[Outcome]) -> str:
     return f"final losses DIFFER from {reference:.6f} by more than {LOSS_TOLERANCE:g}: {listed}"
 
 
-def run_training(args: argparse.Namespace, names: list[str]) -> None:
+def _missing(args: argparse.Namespace):
+    """(``missing(peer)``: why it cannot run here or "", the DeepSpeed label or None)."""
     ds_label, ds_missing = deepspeed_version(args.deepspeed_python)
     ds_missing_library = deepshard_missing()
 
@@ -349,11 +423,57 @@ def run_training(args: argparse.Namespace, names: list[str]) -> None:
         return ds_missing if peer.foreign \
             else ds_missing_library if peer.runtime == "deepshard" else ""
 
-    run = Run("zero", {"peers": names, "steps": args.steps, "warmup": args.warmup,
-                       "rounds": args.rounds, "world": WORLD, "threads_per_rank": 1,
-                       "micro_batch": MICRO_BATCH, "seq_len": 128, "deepspeed": ds_label})
-    outcomes = run_rounds([PEERS[name] for name in names], args, run_peer, missing)
+    return missing, ds_label
 
+
+def _settings(args: argparse.Namespace, names: list[str], ds_label: str | None) -> dict:
+    return {"peers": names, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "world": WORLD, "threads_per_rank": 1, "micro_batch": MICRO_BATCH, "seq_len": 128,
+            "deepspeed": ds_label}
+
+
+def run_training(args: argparse.Namespace, names: list[str]) -> None:
+    missing, ds_label = _missing(args)
+    run = Run("zero", _settings(args, names, ds_label))
+    outcomes = run_rounds([PEERS[name] for name in names], args, run_peer, missing)
+    _print_header(args, ds_label)
+    lines = table(outcomes)
+    print("\n".join(lines))
+    print()
+    print(loss_check(outcomes))
+    run.write(rows(outcomes), lines, args.results)
+    _write_json(args, outcomes)
+
+
+def run_compiled(args: argparse.Namespace, names: list[str]) -> None:
+    """``--compile``: the compile peer set, with at least ``MIN_COMPILE_WARMUP`` warm-up
+    steps; each round's first step time of rank 0 kept aside (the rounds' merge keeps only
+    the timed steps of all rounds)."""
+    import zero_compile
+
+    args = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, MIN_COMPILE_WARMUP)})
+    missing, ds_label = _missing(args)
+    run = Run("zero_compile", {**_settings(args, names, ds_label), "backend": COMPILE_BACKEND,
+                               "fresh_inductor_cache": True})
+    first_steps: dict[str, list[float]] = {name: [] for name in names}
+
+    def run_one(peer: Peer, python: str, args: argparse.Namespace) -> Outcome:
+        outcome = run_peer(peer, python, args)
+        if outcome.ranks:
+            first_steps[peer.name].append(outcome.ranks[0]["warmup_s"][0])
+        return outcome
+
+    outcomes = run_rounds([COMPILE_PEERS[name] for name in names], args, run_one, missing)
+    _print_header(args, ds_label)
+    lines = zero_compile.table(outcomes, first_steps)
+    print("\n".join(lines))
+    verdicts = ["", loss_check(outcomes), *zero_compile.targets(outcomes)]
+    print("\n".join(verdicts))
+    run.write(zero_compile.rows(outcomes, first_steps), lines + verdicts, args.results)
+    _write_json(args, outcomes)
+
+
+def _print_header(args: argparse.Namespace, ds_label: str | None) -> None:
     import torch
 
     print(f"GPT reference size (examples/gpt.py GPTConfig()), fp32, {WORLD} ranks on CPU, "
@@ -364,11 +484,9 @@ def run_training(args: argparse.Namespace, names: list[str]) -> None:
           f"Python {platform.python_version()}, torch {torch.__version__}"
           + (f"; DeepSpeed peers: {ds_label} ({args.deepspeed_python})" if ds_label else ""))
     print()
-    lines = table(outcomes)
-    print("\n".join(lines))
-    print()
-    print(loss_check(outcomes))
-    run.write(rows(outcomes), lines, args.results)
+
+
+def _write_json(args: argparse.Namespace, outcomes: list[Outcome]) -> None:
     if args.json:
         args.json.write_text(json.dumps([{"peer": o.peer.name, "ranks": o.ranks,
                                           "skipped": o.why_not} for o in outcomes], indent=1))
@@ -495,8 +613,13 @@ def _run_adam_impl(impl: str, numel: int, args: argparse.Namespace, ds_missing: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help=f"comma-separated subset of {', '.join(PEERS)}")
+    parser.add_argument("--peers", help=f"comma-separated subset of {', '.join(PEERS)} "
+                        f"(default all); with --compile of {', '.join(COMPILE_PEERS)}")
+    parser.add_argument("--stages", help="comma-separated ZeRO stages: only the DeepSpeed and "
+                        "deepshard peers of these (default all)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compiled training beside eager (engine.compile(), "
+                             "torch.compile'd DDP) at ZeRO 0-3; record zero_compile.json")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=3,
@@ -506,28 +629,47 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per peer")
     parser.add_argument("--json", type=Path, help="also write every rank's raw result here")
     parser.add_argument("--results", type=Path, default=RESULTS,
-                        help="folder for the run's record, zero.json or zero-adam.json "
-                             "(default benchmarks/results)")
+                        help="folder for the run's record, zero.json, zero_compile.json or "
+                             "zero-adam.json (default benchmarks/results)")
     parser.add_argument("--adam", action="store_true",
                         help="measure the CPU Adam step alone instead of training")
     parser.add_argument("--adam-numel", default="27369472,273694720",
                         help="comma-separated tensor sizes for --adam")
     parser.add_argument("--adam-steps", type=int, default=20, help="timed steps for --adam")
-    parser.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=sorted(ALL_PEERS), help=argparse.SUPPRESS)
     parser.add_argument("--adam-worker", choices=sorted(ADAM_IMPLS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(PEERS[args.worker], args.steps, args.warmup)
+        worker(ALL_PEERS[args.worker], args.steps, args.warmup)
     elif args.adam_worker:
         adam_worker(args.adam_worker, int(args.adam_numel), args.adam_steps, args.warmup)
     elif args.adam:
         run_adam(args)
     else:
-        names = [n.strip() for n in args.peers.split(",") if n.strip()]
-        unknown = [n for n in names if n not in PEERS]
-        if unknown:
-            parser.error(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
-        run_training(args, names)
+        names = _selected(parser, args)
+        (run_compiled if args.compile else run_training)(args, names)
+
+
+def _selected(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The peers that ``--peers`` and ``--stages`` name, in the peer set's order for
+    ``--peers``' default; a name or stage outside the set is a usage error."""
+    peers = COMPILE_PEERS if args.compile else PEERS
+    names = [n.strip() for n in (args.peers or ",".join(peers)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in peers]
+    if unknown:
+        parser.error(f"unknown peer {unknown[0]!r}" + (" with --compile" if args.compile else "")
+                     + f"; choose from {', '.join(peers)}")
+    if args.stages:
+        try:
+            stages = {int(s) for s in args.stages.split(",") if s.strip()}
+        except ValueError:
+            parser.error(f"--stages {args.stages!r}: expected comma-separated integers, "
+                         "e.g. --stages 2,3")
+        if not stages <= {0, 1, 2, 3}:
+            parser.error(f"--stages {args.stages!r}: ZeRO stages are 0, 1, 2 and 3")
+        names = [n for n in names if peers[n].runtime not in ("deepspeed", "deepshard")
+                 or peers[n].stage in stages]
+    return names
 
 
 if __name__ == "__main__":

@@ -25,19 +25,22 @@ import parallel
 import plot
 import record
 import zero
+import zero_compile
 from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440,
-           "moe": 740, "long_seq": 640, "data_efficiency": 460}
+           "moe": 740, "long_seq": 640, "data_efficiency": 460, "zero_compile": 740}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
-def _zero_outcome(name: str, median: float, rss: tuple[int, int]) -> Outcome:
+def _zero_outcome(name: str, median: float, rss: tuple[int, int],
+                  peers: dict = zero.PEERS) -> Outcome:
     ranks = tuple({"peer": name, "rank": r, "step_s": [median * 0.99, median, median * 1.02],
-                   "params": 27369472, "peak_rss_kib": rss[r] * 1024, "optimizer": "AdamW",
+                   "warmup_s": [median * 20, median * 1.1, median], "params": 27369472,
+                   "peak_rss_kib": rss[r] * 1024, "optimizer": "AdamW",
                    "losses": [9.1, 9.0], "torch": "2.13", "backend": "gloo"} for r in (0, 1))
-    return Outcome(zero.PEERS[name], ranks)
+    return Outcome(peers[name], ranks)
 
 
 def zero_record() -> dict:
@@ -48,6 +51,29 @@ def zero_record() -> dict:
     outcomes.append(_zero_outcome("deepshard-z2-torchbwd", 2.9, (800, 801)))
     return record.Run("zero", {"world": 2, "threads_per_rank": 1, "rounds": 2, "steps": 3}) \
         .to_dict(zero.rows(outcomes), zero.table(outcomes))
+
+
+def zero_compile_outcomes() -> list[Outcome]:
+    """Every --compile peer at stages 0-2 ran (compiled 1.4x faster than eager, deepshard
+    1.1x faster than DeepSpeed, compiled RSS 10 MiB above eager); stage 3's deepshard
+    compiled failed."""
+    outcomes = []
+    for name, peer in zero.COMPILE_PEERS.items():
+        median = {"ddp": 2.2, "deepspeed": 2.0, "deepshard": 2.0 / 1.1}[peer.runtime]
+        median /= 1.4 if peer.compiled else 1.0
+        rss = 900 + 10 * peer.compiled
+        outcomes.append(Outcome(peer, why_not="failed: it broke")
+                        if name == "deepshard-z3-compiled" else
+                        _zero_outcome(name, median, (rss, rss - 5), zero.COMPILE_PEERS))
+    return outcomes
+
+
+def zero_compile_record() -> dict:
+    outcomes = zero_compile_outcomes()
+    firsts = {o.peer.name: [40.0 if o.peer.compiled else 3.0] * 2 for o in outcomes}
+    return record.Run("zero_compile", {"world": 2, "threads_per_rank": 1, "rounds": 2,
+                                       "steps": 3}).to_dict(
+        zero_compile.rows(outcomes, firsts), zero_compile.table(outcomes, firsts))
 
 
 def _bubble_outcome(m: int) -> parallel.Outcome:
@@ -139,7 +165,7 @@ def results(tmp_path):
     folder.mkdir()
     for data in (zero_record(), parallel_record(), fanout_record(), launch_record(),
                  elastic_record(), moe_record(), long_seq_record(),
-                 data_efficiency_record()):
+                 data_efficiency_record(), zero_compile_record()):
         (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
     return folder
 
@@ -228,3 +254,19 @@ def test_data_efficiency_time_to_target_interpolates_and_reads_the_verdict():
     rows = [data_efficiency.summarize(base, base, 20), row]
     assert all("MET" in line and "NOT" not in line
                for line in data_efficiency.verdicts(rows)[:1])
+
+
+def test_zero_compile_targets_compare_compiled_with_eager_and_deepspeed_per_stage():
+    outcomes = zero_compile_outcomes()
+    x_eager, x_ds = zero_compile.speedups(outcomes)["deepshard-z2-compiled"]
+    assert x_eager == pytest.approx(1.4) and x_ds == pytest.approx(1.1)
+    assert zero_compile.speedups(outcomes)["ddp-compiled"][0] == pytest.approx(1.4)
+    lines = zero_compile.targets(outcomes)
+    assert lines[:2] == [
+        "target stage 0: deepshard compiled >= 1.25x faster than deepshard eager: 1.40x, met",
+        "target stage 0: deepshard compiled peak RSS <= deepshard eager's: 910 MiB vs "
+        "900 MiB, MISSED"]
+    assert "target stage 2: deepshard compiled >= 1.2x faster than DeepSpeed compiled: "\
+        "1.10x, MISSED" in lines
+    assert sum("not measured (deepshard-z3-compiled did not run)" in line
+               for line in lines) == 3
