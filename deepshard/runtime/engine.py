@@ -252,7 +252,8 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
                                  section.debug, compiled_autograd_enabled)
         units = self.strategy.gathered_units()
         names = {id(m): name for name, m in self.module.named_modules()}
-        plan = plan_compile(None if units is None else [names[id(m)] for m in units])
+        plan = plan_compile(self.module,
+                            None if units is None else [names[id(m)] for m in units])
         self._compiled = CompiledModel(self.module, plan, request, self.global_rank)
         self._compiled.apply()
 

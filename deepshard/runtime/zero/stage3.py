@@ -36,8 +36,10 @@ Leaf modules (``set_z3_leaf_modules``) are never split: one that would hold unit
 unit itself. A parameter registered as external to a module of another unit
 (``register_external_parameter``) belongs to the root.
 
-Under ``engine.compile()`` the hooks run eagerly (``torch.compiler.disable``): a compiled
-graph breaks around each gather and release, and runs the module's own code between them.
+``engine.compile()`` compiles each unit's ``forward`` on its own
+(:mod:`deepshard.runtime.compiled`): the hooks run in ``Module.__call__``, outside the
+compiled code. They are ``torch.compiler.disable``'d too, so that a model compiled whole
+by its user breaks the graph around each gather and release instead of tracing them.
 
 Memory at the peak (the start of backward, everything kept gathered): each gathered group
 holds its shard inside the full buffer (:meth:`FlatGroup.wait`), the root's parameters
@@ -79,10 +81,7 @@ class UnitPlan:
 def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
     """Cut ``model`` into units (see the module docstring); ``trainable`` are the names of
     the parameters to shard, as ``named_parameters()`` gives them."""
-    unit_names = [name for name, m in model.named_modules()
-                  if name and _in_container(model, name) and not isinstance(m, CONTAINERS)]
-    unit_names = [n for n in unit_names
-                  if not any(n.startswith(o + ".") for o in unit_names if o != n)]
+    unit_names = container_blocks(model)
     if not unit_names:
         unit_names = [name for name, child in model.named_children()
                       if any(True for _ in child.parameters())]
@@ -107,6 +106,14 @@ def plan_units(model: torch.nn.Module, trainable: Sequence[str]) -> UnitPlan:
         by_unit[next(iter(units)) if len(units) == 1 else ""].append(name)
     order = ["", *unit_names]
     return UnitPlan(tuple(order), tuple(tuple(by_unit[n]) for n in order))
+
+
+def container_blocks(model: torch.nn.Module) -> list[str]:
+    """The qualified names of the outermost modules held in a ``ModuleList`` or
+    ``Sequential`` (the repeated blocks of a transformer), in model order."""
+    names = [name for name, m in model.named_modules()
+             if name and _in_container(model, name) and not isinstance(m, CONTAINERS)]
+    return [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
 def _whole_leaves(model: torch.nn.Module, unit_names: list[str]) -> list[str]:

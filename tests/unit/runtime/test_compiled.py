@@ -13,17 +13,6 @@ from deepshard.errors import UsageError
 from deepshard.runtime.compiled import CompiledModel, CompileRequest, plan_compile
 
 
-def test_plan_whole_model_without_gathers():
-    plan = plan_compile(None)
-    assert plan.whole and plan.regions == ("",)
-
-
-def test_plan_zero3_units_but_the_root():
-    plan = plan_compile(["", "blocks.0", "blocks.1"])
-    assert not plan.whole and plan.regions == ("blocks.0", "blocks.1")
-    assert plan_compile([""]).whole  # only the root unit: gathered at the model's entry
-
-
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -44,6 +33,20 @@ class TwoBlocks(torch.nn.Module):
         return x.sum()
 
 
+def test_plan_zero3_units_but_the_root():
+    plan = plan_compile(TwoBlocks(), ["", "blocks.0", "blocks.1"])
+    assert not plan.whole and plan.regions == ("blocks.0", "blocks.1")
+    # only the root unit: gathered at the model's entry
+    assert plan_compile(TwoBlocks(), [""]).whole
+
+
+def test_plan_repeated_blocks_else_the_whole_model():
+    assert plan_compile(TwoBlocks(), None).regions == ("blocks.0", "blocks.1")
+    single = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())  # nothing repeated
+    assert plan_compile(single, None).whole
+    assert plan_compile(torch.nn.Linear(2, 2), None).whole
+
+
 def _engine(stage: int = 0, **config):
     model = TwoBlocks()
     engine, *_ = deepshard.initialize(model=model, model_parameters=model.parameters(), config={
@@ -58,8 +61,7 @@ def test_regions_share_one_graph_and_hooks_stay_outside(one_rank_group):
     calls = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, args: calls.append(m))
-    compiled = CompiledModel(model, plan_compile(["", "blocks.0", "blocks.1"]),
-                             CompileRequest(backend="eager"))
+    compiled = CompiledModel(model, plan_compile(model, None), CompileRequest(backend="eager"))
     compiled.apply()
     # an input that requires grad, like a block's behind an embedding: the same guards
     model(torch.ones(1, 4, requires_grad=True)).backward()
