@@ -111,7 +111,9 @@ class CompileConfig(Section):
                               "deepshard.", default=True)
     symmetric_memory: Bool = doc("Collectives over CUDA symmetric memory: refused when "
                                  "true.", default=False)
-    debug_log: Bool = doc("Log the compiled graphs.", default=False)
+    debug_log: Bool = doc("Log each graph break's reason and every recompilation (the "
+                          "graphs and graph breaks are logged at the first step anyway).",
+                          default=False)
     offload_parameters: Bool = doc("Offload parameters to host memory: refused when true.",
                                    default=False)
     sync_before_reduce: Bool = doc("Synchronize before each reduce: no effect in deepshard.",

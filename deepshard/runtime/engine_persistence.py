@@ -98,10 +98,9 @@ class EngineData:
         from torch.utils.data import DataLoader, DistributedSampler
 
         if data_sampler is None and route in (None, "train"):
-            for feature in self.features:
-                loader = feature.training_loader(self, dataset, collate_fn)
-                if loader is not None:
-                    return loader
+            loader = self._feature_loader(dataset, collate_fn)
+            if loader is not None:
+                return loader
 
         replicas, index = self.dp_world_size, self.dp_rank
         if self.sequence_parallel_size > 1:  # a sequence-parallel group shares its batches
@@ -138,10 +137,15 @@ class EngineData:
         position is in checkpoints."""
         from deepshard.runtime.data_position import resumable_loader
 
+        loader = self._feature_loader(dataset, collate_fn)
+        self.training_dataloader = loader if loader is not None else resumable_loader(
+            self, dataset, collate_fn)
+        return self.training_dataloader
+
+    def _feature_loader(self, dataset, collate_fn):
+        """The first feature's training loader for ``dataset`` (a curriculum's), or None."""
         for feature in self.features:
             loader = feature.training_loader(self, dataset, collate_fn)
             if loader is not None:
-                self.training_dataloader = loader
                 return loader
-        self.training_dataloader = resumable_loader(self, dataset, collate_fn)
-        return self.training_dataloader
+        return None
