@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,10 +130,19 @@ class CompiledModel:
         if self.plan.whole:
             self.model.compile(**kwargs)
             return
+        by_class: dict[type, Any] = {}
         for name in self.plan.regions:
             module = self.model.get_submodule(name)
             # an instance attribute: Module.__call__ (and its hooks) stay eager around it
-            module.forward = torch.compile(module.forward, **kwargs)
+            own = module.__dict__.get("forward")  # a wrapper already set (Accelerate's)
+            if own is not None:
+                module.forward = torch.compile(own, **kwargs)
+                continue
+            cls = type(module)
+            if cls not in by_class:
+                by_class[cls] = torch.compile(cls.forward, **kwargs)
+            # bound, not a closure over the module: a deepcopy of the model calls its copy
+            module.forward = types.MethodType(by_class[cls], module)
 
     def backward_context(self) -> contextlib.AbstractContextManager:
         """Where ``engine.backward`` runs autograd: compiled autograd when asked for."""

@@ -227,8 +227,8 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
     def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` the model in place, at every
-        ZeRO stage (:mod:`deepshard.runtime.compiled`: the whole model at stages 0-2, each
-        block on its own at stage 3, its gathers outside the compiled code); ``engine(...)``
+        ZeRO stage (:mod:`deepshard.runtime.compiled`: each repeated block on its own,
+        sharing one graph; at stage 3 its gathers outside the compiled code); ``engine(...)``
         then runs the compiled forward. ``backend`` defaults to the ``compile`` config
         section's (``inductor``); ``compile_kwargs`` are more ``torch.compile`` arguments
         (a ``backend`` among them is overridden, as in DeepSpeed);

@@ -90,3 +90,18 @@ def test_config_section_compiles_at_initialize_and_reports_first_step(one_rank_g
     assert [r.getMessage() for r in caplog.records
             if "the first step took" in r.getMessage()], caplog.text
     assert not _engine(compile={"disable": True}).is_compiled
+
+
+def test_a_deepcopy_of_a_compiled_model_runs_its_own_weights(one_rank_group):
+    import copy
+
+    model = TwoBlocks()
+    CompiledModel(model, plan_compile(model, None), CompileRequest(backend="eager")).apply()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        assert float(twin(x)) == pytest.approx(4.0)  # tanh(0) + x, twice: its zero weights
+        assert float(model(x)) != pytest.approx(4.0)
