@@ -61,7 +61,7 @@ _REFUSED: dict[str, tuple[str, str]] = {
         "remove it or set it to false (deepshard has no counterpart)"),
     "autoep_non_moe": (
         "compiling only the parents of AutoEP layers is not implemented",
-        "remove it: engine.compile() compiles the whole model, MoE layers included"),
+        "remove it: engine.compile() compiles every block of the model, MoE layers included"),
 }
 """DeepCompile's boolean switches deepshard refuses when true: (what, the fix)."""
 

@@ -87,7 +87,7 @@ def test_a_zero_pass_matching_the_stage_is_accepted(passes, stage):
     ("offload_opt_states", True, "zero_optimization.offload_optimizer"),
     ("offload_parameters", True, "zero_optimization.offload_param"),
     ("symmetric_memory", True, "no counterpart"),
-    ("autoep_non_moe", True, "engine.compile() compiles the whole model"),
+    ("autoep_non_moe", True, "engine.compile() compiles every block of the model"),
     ("passes", ["z3", "autosp"], "sequence_parallel_size"),
     ("passes", ["autotp"], "tensor_parallel.autotp_size"),
 ])
