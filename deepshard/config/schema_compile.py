@@ -185,7 +185,8 @@ class CompileConfig(Section):
 
     @property
     def debug(self) -> bool:
-        """Whether to log the compiled graphs (``debug_log``)."""
+        """Whether to log each graph break's reason and every recompilation
+        (``debug_log``)."""
         return self.debug_log
 
 

@@ -250,10 +250,11 @@ class DeepShardEngine(EnginePersistence, EngineData, EngineGetters, torch.nn.Mod
                            backend, given)
         request = CompileRequest(backend or given or section.backend_name, kwargs,
                                  section.debug, compiled_autograd_enabled)
-        units = self.strategy.gathered_units()
-        names = {id(m): name for name, m in self.module.named_modules()}
-        plan = plan_compile(self.module,
-                            None if units is None else [names[id(m)] for m in units])
+        units, unit_names = self.strategy.gathered_units(), None
+        if units is not None:
+            names = {id(m): name for name, m in self.module.named_modules()}
+            unit_names = [names[id(m)] for m in units]
+        plan = plan_compile(self.module, unit_names)
         self._compiled = CompiledModel(self.module, plan, request, self.global_rank)
         self._compiled.apply()
 
