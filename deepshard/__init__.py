@@ -35,6 +35,8 @@ _LAZY = {
     "logger": "deepshard.runtime.logs",
     "get_fp32_state_dict": "deepshard.runtime.checkpoint.consolidate",
     "OnDevice": "deepshard.runtime.on_device",
+    "init_inference": "deepshard.inference.api",
+    "InferenceEngine": "deepshard.inference.engine",
     "UsageError": "deepshard.errors",
 }
 # DeepSpeed's spellings of the same things

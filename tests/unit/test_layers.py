@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "runtime": 4,
     # 5 features, each plugging into the runtime through runtime/extensions.py
     "moe": 5, "sequence": 5, "monitor": 5, "integrations": 5, "data_efficiency": 5,
+    "inference": 5,
     # 6 every DeepSpeed-shaped path
     "compat": 6,
 }

@@ -86,8 +86,10 @@ from deepshard.runtime.parallel.autotp_rules import (
     Q_NAMES,
     ROW_ROLES,
     TOKEN_EMBEDDING_NAMES,
+    WIDTH_ATTRS,
     Role,
     block_names,
+    config_heads,
     head_attrs,
     in_block,
     leaf,
@@ -99,11 +101,12 @@ from deepshard.runtime.parallel.tensor import (
     Group,
     RowParallelLinear,
     VocabParallelEmbedding,
+    tp_rank,
     tp_world_size,
 )
 from deepshard.runtime.parallel.tp_shards import ShardSpec, check_divisible
 
-Kind = Literal["column", "row", "vocab", "replicate"]
+Kind = Literal["column", "row", "vocab", "head_split", "replicate"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,9 @@ class TPEntry:
     """Qualified module name (``model.get_submodule(name)``)."""
     kind: Kind
     """column: ColumnParallelLinear; row: RowParallelLinear; vocab:
-    VocabParallelEmbedding; replicate: left as it is on every rank."""
+    VocabParallelEmbedding; head_split: an embedding holding one value per attention head
+    (T5's relative position bias), split along its heads, no communication; replicate:
+    left as it is on every rank."""
     reason: str
     shape: tuple[int, int]
     """The dense weight's shape: ``(out, in)`` for a Linear, ``(num, dim)`` for an
@@ -126,11 +131,15 @@ class TPEntry:
     """column: all-gather the output (the LM head; attention's q/k/v under *gather*)."""
     input_is_parallel: bool = True
     """row: the input is already sharded (False: replicated; the layer slices it)."""
+    padded: bool = False
+    """vocab / LM-head column: the vocabulary does not divide by T and each rank holds
+    ``ceil(V / T)`` rows, the last rank's padded (``plan_autotp(pad_vocab=True)``, inference
+    only; :func:`apply_autotp` refuses it)."""
 
     def weight_spec(self) -> ShardSpec | None:
         """How the weight is split (None: replicated)."""
         return {"column": ShardSpec(0, self.sections), "row": ShardSpec(1),
-                "vocab": ShardSpec(0)}.get(self.kind)
+                "vocab": ShardSpec(0), "head_split": ShardSpec(1)}.get(self.kind)
 
 
 @dataclass(frozen=True)
@@ -207,8 +216,13 @@ class TPPlan:
         return "\n".join(lines)
 
 
-def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -> TPPlan:
+def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True,
+                pad_vocab: bool = False) -> TPPlan:
     """Decide how to split ``model`` over ``tp_size`` ranks (reads the model only).
+
+    ``pad_vocab``: split a token embedding / LM head whose vocabulary does not divide by
+    ``tp_size`` into ``ceil(V / T)`` rows per rank (:attr:`TPEntry.padded`) instead of
+    replicating it; inference's layers support that, :func:`apply_autotp` does not.
 
     Raises :class:`UsageError` when a layer chosen for splitting does not divide by
     ``tp_size`` (naming the layer and its sizes), or an attention module's head count
@@ -225,7 +239,7 @@ def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -
     blocks = block_names(model)
     linears = {n: m for n, m in modules.items() if type(m) is nn.Linear}
     embeddings = {n: m for n, m in modules.items() if type(m) is nn.Embedding}
-    entries = _plan_vocab(linears, embeddings, blocks, tp_size, gather_logits)
+    entries = _plan_vocab(linears, embeddings, blocks, tp_size, gather_logits, pad_vocab)
     for name, module in modules.items():
         if isinstance(module, (nn.Linear, nn.Embedding)) and type(module) not in (
                 nn.Linear, nn.Embedding):
@@ -238,7 +252,7 @@ def plan_autotp(model: nn.Module, tp_size: int, *, gather_logits: bool = True) -
             by_parent[name.rpartition(".")[0]][name] = linear
     for parent in sorted(by_parent, key=lambda p: -p.count(".")):  # inner modules first
         found, attn = _plan_owner(modules[parent], parent, by_parent[parent], entries,
-                                  tp_size)
+                                  tp_size, embeddings)
         entries.update(found)
         attention.extend(attn)
     for name, module in linears.items() | embeddings.items():
@@ -279,8 +293,8 @@ def _row(name: str, linear: nn.Linear, reason: str, tp_size: int, **kw) -> TPEnt
 
 
 def _plan_vocab(linears: Mapping[str, nn.Linear], embeddings: Mapping[str, nn.Embedding],
-                blocks: frozenset[str], tp_size: int, gather_logits: bool
-                ) -> dict[str, TPEntry]:
+                blocks: frozenset[str], tp_size: int, gather_logits: bool,
+                pad_vocab: bool = False) -> dict[str, TPEntry]:
     """The token embedding(s), the LM head(s) and the other embeddings."""
     outside = {n: m for n, m in linears.items() if not in_block(n, blocks)}
     heads = [n for n in outside if leaf(n) in HEAD_NAMES]
@@ -294,7 +308,7 @@ def _plan_vocab(linears: Mapping[str, nn.Linear], embeddings: Mapping[str, nn.Em
     entries = {}
     for name in tokens:
         emb = embeddings[name]
-        if emb.num_embeddings % tp_size:
+        if emb.num_embeddings % tp_size and not pad_vocab:
             entries[name] = _replicate(name, emb, f"token embedding; vocabulary "
                                        f"{emb.num_embeddings} does not divide by {tp_size}")
         elif emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
@@ -302,17 +316,25 @@ def _plan_vocab(linears: Mapping[str, nn.Linear], embeddings: Mapping[str, nn.Em
                                        "scale_grad_by_freq or sparse")
         else:
             entries[name] = TPEntry(name, "vocab", f"token embedding, vocabulary "
-                                    f"{emb.num_embeddings} split in {tp_size}", _shape(emb))
+                                    f"{emb.num_embeddings} split in {tp_size}"
+                                    f"{_padding(emb.num_embeddings, tp_size)}", _shape(emb),
+                                    padded=bool(emb.num_embeddings % tp_size))
     for name in heads:
         head = linears[name]
-        if head.out_features % tp_size:
+        if head.out_features % tp_size and not pad_vocab:
             entries[name] = _replicate(name, head, f"LM head; vocabulary {head.out_features} "
                                        f"does not divide by {tp_size}")
             continue
         how = ("logits all-gathered, so the model's own loss sees them whole" if gather_logits
                else "logits stay sharded: use vocab_parallel_cross_entropy")
-        entries[name] = _column(name, head, f"LM head, vocabulary-parallel ({how})", tp_size,
-                                gather_output=gather_logits)
+        if head.out_features % tp_size:
+            entries[name] = TPEntry(name, "column", f"LM head, vocabulary-parallel ({how})"
+                                    f"{_padding(head.out_features, tp_size)}", _shape(head),
+                                    head.bias is not None, gather_output=gather_logits,
+                                    padded=True)
+        else:
+            entries[name] = _column(name, head, f"LM head, vocabulary-parallel ({how})",
+                                    tp_size, gather_output=gather_logits)
     for name, emb in embeddings.items():
         if name not in entries:
             entries[name] = _replicate(name, emb, "position embedding" if leaf(name) in
@@ -320,8 +342,14 @@ def _plan_vocab(linears: Mapping[str, nn.Linear], embeddings: Mapping[str, nn.Em
     return entries
 
 
+def _padding(vocab: int, tp_size: int) -> str:
+    return (f", {-(-vocab // tp_size)} rows a rank (the last padded)" if vocab % tp_size
+            else "")
+
+
 def _plan_owner(owner: nn.Module, prefix: str, linears: Mapping[str, nn.Linear],
-                planned: Mapping[str, TPEntry], tp_size: int
+                planned: Mapping[str, TPEntry], tp_size: int,
+                embeddings: Mapping[str, nn.Embedding]
                 ) -> tuple[dict[str, TPEntry], list[AttentionPlan]]:
     """The Linears directly owned by one module inside a block."""
     roles = {n: role_of(n) for n in linears}
@@ -354,8 +382,10 @@ def _plan_owner(owner: nn.Module, prefix: str, linears: Mapping[str, nn.Linear],
                             reason="MLP output, back to the residual stream")
     attention = []
     if closes["attn"]:
+        biases = {n: e for n, e in embeddings.items() if n.rpartition(".")[0] == prefix}
         plan = _plan_attention(owner, prefix, attn_in, closes["attn"], linears,
-                               qkv_sections, head, kv, {**planned, **entries}, tp_size)
+                               qkv_sections, head, kv, {**planned, **entries}, tp_size,
+                               q_width, biases)
         entries.update(plan[0])
         attention.append(plan[1])
     for name in (n for n in linears if n not in entries and roles[n] in COLUMN_ROLES):
@@ -390,28 +420,43 @@ def _attention_width(attn_in, linears, roles, head, kv, prefix
 
 
 def _plan_attention(owner, prefix, attn_in, outs, linears, qkv_sections, head, kv, planned,
-                    tp_size) -> tuple[dict[str, TPEntry], AttentionPlan]:
+                    tp_size, q_width, biases) -> tuple[dict[str, TPEntry], AttentionPlan]:
     if len(outs) > 1:
         reason = f"several output projections ({', '.join(map(leaf, outs))})"
         return ({n: _replicate(n, linears[n], reason) for n in [*attn_in, *outs]},
                 AttentionPlan(prefix, "gather", reason))
     out = outs[0]
-    if head is None:
+    from_config = config_heads(owner) if head is None else None
+    if head is None and from_config is None:
         return _gather(attn_in, out, linears, tp_size), AttentionPlan(
             prefix, "gather", "no head-count attribute (n_head, num_heads, "
             "num_attention_heads, n_heads) on the module owning q, k, v")
-    changes = []
-    for attr, heads in (head, kv) if kv else (head,):
+    for attr, heads in from_config or ((head, kv) if kv else (head,)):
         if heads % tp_size:
             raise UsageError(
                 f"{attr}={heads} attention heads do not divide by the tensor-parallel size "
                 f"{tp_size}", where=prefix or type(owner).__name__,
                 hint=f"choose a tensor-parallel size that divides {heads}")
-        changes.append(HeadChange(attr, heads, heads // tp_size))
-    entries = {n: _column(n, linears[n], "attention q/k/v, split by heads", tp_size,
-                          sections=qkv_sections.get(n, ())) for n in attn_in}
-    entries[out] = _row(out, linears[out], "attention output, back to the residual stream",
-                        tp_size)
+    if from_config is not None:
+        sizes = {n: linears[n].out_features for n in attn_in}
+        unit = owner.head_dim * tp_size
+        if any(size % unit for size in sizes.values()):
+            return _gather(attn_in, out, linears, tp_size), AttentionPlan(
+                prefix, "gather", f"q/k/v widths {sorted(set(sizes.values()))} are not "
+                f"whole heads of head_dim={owner.head_dim} on each of {tp_size} ranks")
+        entries = _head_entries(attn_in, out, linears, qkv_sections, tp_size)
+        return entries, AttentionPlan(
+            prefix, "heads", f"reshapes into -1 heads of head_dim={owner.head_dim}, so each "
+            f"rank's whole heads need no attribute changed ({from_config[0][0]}="
+            f"{from_config[0][1]}, {from_config[1][0]}={from_config[1][1]})")
+    changes = [HeadChange(attr, heads, heads // tp_size)
+               for attr, heads in ((head, kv) if kv else (head,))]
+    changes += [HeadChange(attr, q_width, q_width // tp_size) for attr in WIDTH_ATTRS
+                if q_width and getattr(owner, attr, None) == q_width and q_width % tp_size == 0]
+    entries = _head_entries(attn_in, out, linears, qkv_sections, tp_size)
+    entries |= {n: TPEntry(n, "head_split", f"one value per attention head of {prefix}, "
+                           "split with the heads", _shape(e)) for n, e in biases.items()
+                if e.embedding_dim == head[1]}
     verdict = trial_head_sharding(owner, _local_shapes(prefix, {**planned, **entries},
                                                        tp_size),
                                   {c.attribute: c.local_heads for c in changes},
@@ -420,6 +465,14 @@ def _plan_attention(owner, prefix, attn_in, outs, linears, qkv_sections, head, k
         return _gather(attn_in, out, linears, tp_size), AttentionPlan(
             prefix, "gather", f"its forward does not follow {head[0]}: {verdict.detail}")
     return entries, AttentionPlan(prefix, "heads", verdict.detail, tuple(changes))
+
+
+def _head_entries(attn_in, out, linears, qkv_sections, tp_size) -> dict[str, TPEntry]:
+    entries = {n: _column(n, linears[n], "attention q/k/v, split by heads", tp_size,
+                          sections=qkv_sections.get(n, ())) for n in attn_in}
+    entries[out] = _row(out, linears[out], "attention output, back to the residual stream",
+                        tp_size)
+    return entries
 
 
 def _gather(attn_in, out, linears, tp_size) -> dict[str, TPEntry]:
@@ -509,8 +562,12 @@ def apply_autotp(model: nn.Module, plan: TPPlan, group: Group) -> nn.Module:
                          hint="plan with the size of the group you apply it with")
     modules = dict(model.named_modules())
     for e in plan.entries:
+        if e.padded:
+            raise UsageError("the plan pads a vocabulary that does not divide by the "
+                             "tensor-parallel size, which only inference supports",
+                             where=e.name, hint="plan with pad_vocab=False for training")
         module = modules.get(e.name)
-        kind = nn.Embedding if e.kind == "vocab" else nn.Linear
+        kind = nn.Embedding if e.kind in ("vocab", "head_split") else nn.Linear
         if e.kind != "replicate" and not (type(module) is kind and _shape(module) == e.shape):
             raise UsageError(f"expected a dense {kind.__name__} of weight shape "
                              f"{list(e.shape)}, found {type(module).__name__}",
@@ -541,7 +598,20 @@ def _tp_layer(module: nn.Module, e: TPEntry, group: Group) -> nn.Module:
     if e.kind == "row":
         return RowParallelLinear.from_dense(module, group,
                                             input_is_parallel=e.input_is_parallel, name=e.name)
+    if e.kind == "head_split":
+        return head_split_embedding(module, tp_rank(group), tp_world_size(group))
     return VocabParallelEmbedding.from_dense(module, group, name=e.name)
+
+
+def head_split_embedding(embedding: nn.Embedding, rank: int, world: int) -> nn.Embedding:
+    """This rank's heads of an embedding holding one value per head (a plain
+    ``nn.Embedding`` of ``embedding_dim / world`` columns; its gradient is exact, the heads
+    being independent)."""
+    local = embedding.embedding_dim // world
+    part = nn.Embedding(embedding.num_embeddings, local, device=embedding.weight.device,
+                        dtype=embedding.weight.dtype)
+    part.weight.data.copy_(embedding.weight.data[:, rank * local:(rank + 1) * local])
+    return part
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -64,6 +64,10 @@ HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
 """Attributes holding an attention module's number of (query) heads, looked up in order."""
 KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
 """Attributes holding the number of key/value heads (grouped-query attention)."""
+WIDTH_ATTRS = ("split_size", "inner_dim", "all_head_size")
+"""Attributes of an attention module holding the width of its q (heads x head size), which
+its forward splits or reshapes by: divided with the head count when they equal q's width
+(GPT-2's ``split_size``, T5's ``inner_dim``, BERT's ``all_head_size``)."""
 
 
 def leaf(name: str) -> str:
@@ -92,6 +96,25 @@ def head_attrs(module: nn.Module) -> tuple[tuple[str, int] | None, tuple[str, in
         return None
 
     return find(HEAD_ATTRS), find(KV_HEAD_ATTRS)
+
+
+def config_heads(module: nn.Module) -> tuple[tuple[str, int], tuple[str, int]] | None:
+    """The head counts of an HF attention module that keeps none on itself.
+
+    Since transformers 4.48 (LLaMA, Qwen2, Mistral, ...) the attention module holds only
+    ``head_dim`` and its ``config``, and reshapes q/k/v into ``-1`` heads of ``head_dim``:
+    a rank holding whole heads computes them with no attribute changed. Returns
+    ``(("config.num_attention_heads", H), ("config.num_key_value_heads", KV))``, or None
+    when the module has no integer ``head_dim`` or its config no head count.
+    """
+    cfg = getattr(module, "config", None)
+    head_dim = getattr(module, "head_dim", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not (isinstance(head_dim, int) and isinstance(heads, int) and heads > 0):
+        return None
+    kv = getattr(cfg, "num_key_value_heads", None)
+    kv = kv if isinstance(kv, int) and kv > 0 else heads
+    return ("config.num_attention_heads", heads), ("config.num_key_value_heads", kv)
 
 
 def block_names(model: nn.Module) -> frozenset[str]:

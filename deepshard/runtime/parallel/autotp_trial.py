@@ -16,8 +16,9 @@ parameters and with the divided head counts (on a shallow copy: the module itsel
 modified, and nothing is allocated but the tiny activations). Head sharding is
 *compatible* when both runs make the same calls and every output shape equals the dense
 one except for at most one dimension divided by exactly T (heads, or sharded features),
-with the module's output shape unchanged. Only shapes are compared, so the values of the
-views do not matter, and a module on the meta device (deferred initialisation) works
+with the module's first output's shape unchanged (further outputs, like T5's position
+bias of one value per head, may hold the rank's heads). Only shapes are compared, so the
+values of the views do not matter, and a module on the meta device (deferred initialisation) works
 too. A forward that needs more inputs than the hidden states (LLaMA's also takes position
 embeddings and a mask) cannot be called here: the verdict is then *unverified*, and AutoTP
 follows the attribute, as DeepSpeed's AutoTP does.
@@ -140,7 +141,8 @@ def trial_head_sharding(module: nn.Module, local_shapes: Mapping[str, tuple[int,
         return TrialResult("incompatible", f"with 1/{tp_size} of the heads its forward "
                                            f"fails: {_brief(exc)}")
     problem = _mismatch(dense_calls, local_calls, tp_size)
-    if problem is None and local_out != dense_out:
+    if problem is None and (local_out[:1] != dense_out[:1] or _mismatch(
+            [("out", dense_out[1:])], [("out", local_out[1:])], tp_size)):
         problem = f"its output shape {local_out} differs from the dense {dense_out}"
     if problem:
         return TrialResult("incompatible", problem)

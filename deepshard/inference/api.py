@@ -1,0 +1,200 @@
+"""``deepshard.init_inference``: DeepSpeed's entry point to inference.
+
+``init_inference(model, config=None, **kwargs)`` parses the settings
+(:mod:`deepshard.config.schema_inference`: DeepSpeed's keys and aliases, kwargs over
+config), forms the tensor-parallel group (consecutive ranks; the world when it equals
+``tp_size``; replicas of the model when the world is larger), shards the model with the
+AutoTP planner while reading each rank's slices from ``checkpoint`` (or from the model's own
+weights when they are real), casts or quantizes it, routes the fused path when
+``replace_with_kernel_inject`` is set, and returns an :class:`~.engine.InferenceEngine`.
+
+A model too big for one rank is built on the meta device (``with torch.device("meta")`` or
+``deepshard.OnDevice(device="meta")``) and loaded from ``checkpoint``: an HF directory
+(safetensors, single or sharded), DeepSpeed's checkpoint-description JSON, or a deepshard /
+DeepSpeed training checkpoint directory (a ZeRO-3 run's, consolidated on the fly). No rank
+then holds more than its shards plus the replicated tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepshard.config.schema_inference import InferenceSpec, parse_inference_config
+from deepshard.errors import UsageError
+from deepshard.inference.engine import InferenceEngine
+from deepshard.inference.fused import inject_kernels
+from deepshard.inference.layers import ShardedLinear
+from deepshard.inference.sharding import shard_for_inference
+from deepshard.inference.sources import (
+    SafetensorsSource,
+    StateDictSource,
+    TensorSource,
+    open_source,
+)
+
+log = logging.getLogger("deepshard")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Prepare ``model`` for (tensor-parallel) inference; see the module docstring.
+
+    Raises:
+        UsageError: a bad or unsupported setting (one line naming the key), a meta-device
+            model without a checkpoint, a checkpoint that does not fit the model, or a model
+            whose layers AutoTP cannot split at ``tp_size`` > 1 (naming the module, with the
+            ``injection_policy`` to pass).
+    """
+    spec = parse_inference_config(config, kwargs)
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"init_inference needs an nn.Module, not {type(model).__name__}",
+                         where="init_inference(model)", hint="pass the model object")
+    group, rank, world = _group(spec)
+    for note in spec.notes:
+        if rank == 0:
+            log.warning("init_inference: %s", note)
+    source, where = _source(model, spec)
+    dtype = _DTYPES.get(spec.dtype or "")
+    if spec.int8 and dtype is None:
+        dtype = torch.float32
+    policy = _policy(model, spec.injection_policy)
+    report = shard_for_inference(model, source, group, rank, world, dtype=dtype, where=where,
+                                 policy=policy)
+    if world > 1:
+        _check_split(model, report.plan)
+    device = _device(spec)
+    done = inject_kernels(model, device) if spec.kernel_inject else ()
+    model.to(device)
+    if spec.int8:
+        for module in model.modules():
+            if isinstance(module, ShardedLinear):
+                module.quantize_int8()
+    model.eval()
+    model.requires_grad_(False)
+    if _rank0():
+        log.info("init_inference: tensor-parallel size %d, %s, %.1f MiB on rank 0%s", world,
+                 "int8 weights" if spec.int8 else str(next(model.parameters()).dtype),
+                 report.local_bytes / 2**20, "".join(f"; {d}" for d in done))
+        log.debug("%s", report.plan.describe())
+    return InferenceEngine(model, spec, group, report)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _group(spec: InferenceSpec):
+    """(group, rank in it, its size)."""
+    if spec.tp_group is not None:
+        return spec.tp_group, dist.get_rank(spec.tp_group), dist.get_world_size(spec.tp_group)
+    if spec.tp_size == 1:
+        return None, 0, 1
+    if not dist.is_initialized():
+        from deepshard.comm import init_distributed
+
+        init_distributed()
+    world = dist.get_world_size()
+    if world % spec.tp_size:
+        raise UsageError(f"tp_size {spec.tp_size} does not divide the {world} ranks of the job",
+                         where="init_inference: tensor_parallel.tp_size",
+                         hint=f"start a multiple of {spec.tp_size} ranks, or choose a tp_size "
+                              f"that divides {world}")
+    if world == spec.tp_size:
+        return dist.group.WORLD, dist.get_rank(), world
+    mine = None
+    for first in range(0, world, spec.tp_size):
+        ranks = list(range(first, first + spec.tp_size))
+        g = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = g
+    return mine, dist.get_rank() % spec.tp_size, spec.tp_size
+
+
+def _source(model: nn.Module, spec: InferenceSpec) -> tuple[TensorSource, str]:
+    ckpt = spec.checkpoint
+    if ckpt is None:
+        meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if meta:
+            raise UsageError(f"the model's weights are on the meta device ({meta[0]}, ...) and "
+                             "no checkpoint was given", where="init_inference: checkpoint",
+                             hint="pass checkpoint='path/to/hf_model_dir' (or a training "
+                                  "checkpoint directory)")
+        return StateDictSource(model.state_dict()), "the model"
+    if isinstance(ckpt, (str, os.PathLike)):
+        return open_source(_based(ckpt, spec.base_dir), "init_inference: checkpoint"), str(ckpt)
+    files = [_based(f, spec.base_dir or getattr(ckpt, "base_dir", None))
+             for f in ckpt.checkpoints]
+    where = f"init_inference: checkpoint ({', '.join(map(str, files[:2]))})"
+    missing = [f for f in files if not f.exists()]
+    if missing:
+        raise UsageError(f"{missing[0]} does not exist", where="init_inference: checkpoint",
+                         hint="list the checkpoint files relative to base_dir")
+    if len(files) == 1 and files[0].is_dir():
+        return open_source(files[0], where), where
+    if all(f.suffix == ".safetensors" for f in files):
+        return SafetensorsSource(files[0].parent, [f.name for f in files]), where
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        loaded = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        tensors.update(loaded.get("module", loaded) if isinstance(loaded, dict) else loaded)
+    return StateDictSource(tensors), where
+
+
+def _based(path, base: str | None) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or not base else Path(base) / p
+
+
+def _policy(model: nn.Module, injection_policy) -> dict[str, str] | None:
+    """DeepSpeed's ``{BlockClass: ("name.of.row_linear", ...)}``: in every module of a
+    listed class, the named Linears are row-parallel (all-reduced) and the block's other
+    Linears column-parallel."""
+    if not injection_policy:
+        return None
+    kinds: dict[str, str] = {}
+    for cls, rows in injection_policy.items():
+        found = [(n, m) for n, m in model.named_modules()
+                 if (isinstance(cls, type) and isinstance(m, cls)) or type(m).__name__ == cls]
+        if not found:
+            raise UsageError(f"injection_policy names {getattr(cls, '__name__', cls)}, which the "
+                             "model does not contain", where="init_inference: injection_policy",
+                             hint="key it by the class of the model's transformer block")
+        for prefix, block in found:
+            for name, sub in block.named_modules():
+                if isinstance(sub, nn.Linear):
+                    row = any(name == r or name.endswith("." + r) or r.endswith(name)
+                              for r in rows)
+                    kinds[f"{prefix}.{name}"] = "row" if row else "column"
+    return kinds
+
+
+def _check_split(model: nn.Module, plan) -> None:
+    """At tp_size > 1 a block whose Linears all stay whole means AutoTP has no rule for it:
+    an error naming it, never a silent replica."""
+    from deepshard.runtime.parallel.autotp_rules import block_names, in_block
+
+    blocks = block_names(model)
+    for block in sorted(blocks):
+        inside = [e for e in plan.entries if in_block(e.name, frozenset({block}))
+                  and e.kind != "head_split" and len(e.shape) == 2]
+        if inside and all(e.kind == "replicate" for e in inside):
+            cls = type(model.get_submodule(block)).__name__
+            raise UsageError(f"AutoTP has no rule to split {cls} ({block}): "
+                             f"{', '.join(e.name.rsplit('.', 1)[-1] for e in inside)} "
+                             "would all stay whole", where="init_inference: tensor_parallel",
+                             hint=f"pass injection_policy={{{cls}: ('<name of each Linear "
+                                  "writing back to the residual stream>', ...)}")
+
+
+def _device(spec: InferenceSpec) -> torch.device:
+    if spec.keep_module_on_host or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
