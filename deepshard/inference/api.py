@@ -58,19 +58,23 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         raise UsageError(f"init_inference needs an nn.Module, not {type(model).__name__}",
                          where="init_inference(model)", hint="pass the model object")
     group, rank, world = _group(spec)
-    for note in spec.notes:
+    device = _device(spec)
+    notes = list(spec.notes)
+    dtype = _DTYPES.get(spec.float_dtype or "")
+    if not spec.dtype_given and device.type != "cuda":
+        dtype = None
+        notes.append("init_inference: dtype: not given, so the model keeps its own on this "
+                     "CPU (DeepSpeed's default fp16 applies on CUDA; DeepSpeed refuses fp16 on "
+                     "a CPU). HINT: pass dtype=torch.float32 to say so")
+    for note in notes:
         if rank == 0:
-            log.warning("init_inference: %s", note)
+            log.warning("%s", note)
     source, where = _source(model, spec)
-    dtype = _DTYPES.get(spec.dtype or "")
-    if spec.int8 and dtype is None:
-        dtype = torch.float32
     policy = _policy(model, spec.injection_policy)
     report = shard_for_inference(model, source, group, rank, world, dtype=dtype, where=where,
                                  policy=policy)
     if world > 1:
         _check_split(model, report.plan)
-    device = _device(spec)
     done = inject_kernels(model, device) if spec.kernel_inject else ()
     model.to(device)
     if spec.int8:
@@ -130,8 +134,14 @@ def _source(model: nn.Module, spec: InferenceSpec) -> tuple[TensorSource, str]:
         return StateDictSource(model.state_dict()), "the model"
     if isinstance(ckpt, (str, os.PathLike)):
         return open_source(_based(ckpt, spec.base_dir), "init_inference: checkpoint"), str(ckpt)
-    files = [_based(f, spec.base_dir or getattr(ckpt, "base_dir", None))
-             for f in ckpt.checkpoints]
+    if (ckpt.tp_size or 1) > 1:
+        raise UsageError(f"the checkpoint description lists files saved at tp_size "
+                         f"{ckpt.tp_size} (per-rank shards); deepshard reads whole-model files "
+                         "and shards them itself", where="init_inference: checkpoint.tp_size",
+                         hint="point checkpoint at the HF model directory or the training "
+                              "checkpoint directory instead")
+    files = [_based(f, ckpt.base_dir or spec.base_dir)
+             for f in (*ckpt.checkpoints, *ckpt.non_tp)]
     where = f"init_inference: checkpoint ({', '.join(map(str, files[:2]))})"
     missing = [f for f in files if not f.exists()]
     if missing:

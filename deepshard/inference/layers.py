@@ -90,7 +90,7 @@ class ShardedLinear(nn.Module):
 
         q = quantize_per_channel(self.weight.detach())
         bias = self.bias.detach() if self.bias is not None and self.kind != "row" else None
-        self._kernel = Int8Kernel(q, bias, kernel=kernel)
+        self._kernel = Int8Kernel.build(q, bias, kernel=kernel)
         del self.weight
         self.register_buffer("weight", q.qweight)
         self.register_buffer("weight_scale", q.scale)

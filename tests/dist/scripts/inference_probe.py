@@ -4,7 +4,8 @@ argv: ``[--local_rank=N] MODELS_DIR CHECKS`` where MODELS_DIR holds the tiny HF 
 (``tests/inference_models.py``) and CHECKS is a comma list of: ``families`` (logits,
 greedy, beam search and seeded sampling of every family, each loaded from its HF directory
 onto a meta-device model), ``int8`` (token agreement and perplexity against fp32),
-``inject`` (``replace_with_kernel_inject``: same tokens), ``pipeline`` (an HF text-generation
+``inject`` (``replace_with_kernel_inject``: same tokens), ``policy`` (a block AutoTP has
+no rule for: refused, then split by ``injection_policy``), ``pipeline`` (an HF text-generation
 pipeline whose model is replaced by the engine), ``zero3`` (a ZeRO-3 training checkpoint
 loaded straight into the shards). Prints one `` RESULT {json}`` line per check and rank.
 """
@@ -51,9 +52,9 @@ def load(family: str, root: Path, meta: bool):
 
 def engine_for(family: str, root: Path, **kw):
     world = dist.get_world_size()
-    return deepshard.init_inference(load(family, root, meta=True), checkpoint=str(root / family),
-                                    tensor_parallel={"tp_size": world},
-                                    **{"dtype": torch.float32, **kw})
+    kw = {"dtype": torch.float32, "checkpoint": str(root / family), **kw}
+    return deepshard.init_inference(load(family, root, meta=True),
+                                    tensor_parallel={"tp_size": world}, **kw)
 
 
 def prompt(vocab: int) -> torch.Tensor:
@@ -111,10 +112,13 @@ def check_int8(root: Path) -> None:
                   "min_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
         a, b = fp32.generate(ids, **common), int8.generate(ids, **common)
         agree = (a[:, ids.shape[1]:] == b[:, ids.shape[1]:]).float().mean().item()
+        with torch.no_grad():  # teacher-forced: next-token argmax on the same text
+            top1 = (fp32(input_ids=a).logits.argmax(-1) == int8(input_ids=a).logits.argmax(-1))
+        top1 = top1.float().mean().item()
         kernels = sorted({m._kernel.name for m in int8.module.modules()
                           if getattr(m, "_kernel", None) is not None})
-        report("int8", family=family, agreement=agree, ppl_fp32=perplexity(fp32, a),
-               ppl_int8=perplexity(int8, a), kernels=kernels,
+        report("int8", family=family, agreement=agree, top1_agreement=top1,
+               ppl_fp32=perplexity(fp32, a), ppl_int8=perplexity(int8, a), kernels=kernels,
                bytes_fp32=fp32.report.local_bytes,
                bytes_int8=sum(t.numel() * t.element_size() for t in
                               [*int8.module.parameters(), *int8.module.buffers()]),
@@ -171,6 +175,41 @@ def check_zero3(root: Path, work: Path) -> None:
                                                  False)).abs().max().item()
     report("zero3", max_logit_diff=diff, trained_moved=moved,
            read_whole=sorted(served.report.split_read_whole))
+
+
+class Mixer(torch.nn.Module):
+    """A block AutoTP has no rule for: two square Linears with unknown names."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mix_in = torch.nn.Linear(width, width)
+        self.mix_out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix_out(torch.tanh(self.mix_in(x)))
+
+
+def check_policy(root: Path) -> None:
+    del root
+    world = dist.get_world_size()
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(Mixer(16), Mixer(16))
+
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    try:
+        deepshard.init_inference(build(), tensor_parallel={"tp_size": world}, dtype=torch.float32)
+        refused = ""
+    except deepshard.UsageError as exc:
+        refused = str(exc)
+    engine = deepshard.init_inference(build(), tensor_parallel={"tp_size": world},
+                                      dtype=torch.float32,
+                                      injection_policy={Mixer: ("mix_out",)})
+    with torch.no_grad():
+        diff = (engine(x) - build()(x)).abs().max().item()
+    report("policy", refused=refused, max_diff=diff,
+           kinds=sorted({e.kind for e in engine.report.plan.entries}))
 
 
 def main() -> None:
