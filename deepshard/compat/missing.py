@@ -27,10 +27,9 @@ class Missing:
         self.instead = instead
 
 
-_INFERENCE = Missing("DeepSpeed-Inference (init_inference, InferenceEngine)",
-                     "deepshard trains only: run inference on the trained module "
-                     "(engine.module); tensor-parallel layers come from the config's "
-                     "tensor_parallel.autotp_size")
+_INFERENCE = Missing("DeepSpeed-FastGen (deepspeed.inference.v2, MII's engine)",
+                     "deepshard.init_inference (deepspeed.init_inference under "
+                     "--deepspeed_compat) with tensor_parallel, and HF generate")
 _NVME = ("NVMe offload is the config's zero_optimization.offload_optimizer/offload_param "
          "with device \"nvme\"")
 _CPU_OFFLOAD = "CPU offload is the config's zero_optimization.offload_optimizer.device \"cpu\""
@@ -42,12 +41,13 @@ _CHECKPOINTS = ("engine.save_checkpoint/load_checkpoint; deepshard.get_fp32_stat
                 "consolidates a ZeRO checkpoint")
 
 MODULES: dict[str, Missing] = {
-    "deepspeed.inference": _INFERENCE,
+    "deepspeed.inference.v2": _INFERENCE,
     "deepspeed.model_implementations": Missing("DeepSpeed-Inference's model implementations",
                                                _INFERENCE.instead),
     "deepspeed.module_inject": Missing(
         "kernel injection (replace_transformer_layer, module_inject.auto_tp)",
-        "deepshard applies AutoTP itself from the config's tensor_parallel.autotp_size"),
+        "init_inference applies AutoTP itself (replace_with_kernel_inject=True routes "
+        "attention through SDPA); training takes the config's tensor_parallel.autotp_size"),
     "deepspeed.ops": Missing("DeepSpeed's C++/CUDA ops",
                              "deepshard.runtime.optim holds the fused optimizers, "
                              "deepshard.kernels the CUDA kernels (ds_report shows which load)"),
@@ -129,10 +129,9 @@ MODULES: dict[str, Missing] = {
 """DeepSpeed 0.19.8 modules (by dotted name) deepshard does not provide."""
 
 ATTRIBUTES: dict[str, Missing] = {
-    "init_inference": _INFERENCE,
-    "InferenceEngine": _INFERENCE,
-    "DeepSpeedInferenceConfig": _INFERENCE,
-    "default_inference_config": _INFERENCE,
+    "default_inference_config": Missing("the default inference config as a dict",
+                                        "deepshard.config.schema_inference.InferenceSpec() "
+                                        "holds DeepSpeed's defaults"),
     "DeepSpeedTransformerLayer": MODULES["deepspeed.ops.transformer"],
     "DeepSpeedTransformerConfig": MODULES["deepspeed.ops.transformer"],
     "replace_transformer_layer": MODULES["deepspeed.module_inject"],

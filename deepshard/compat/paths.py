@@ -47,6 +47,7 @@ MODULES: dict[str, str] = {
     "deepspeed.utils.torch": "deepshard.runtime.torch_version",
     "deepspeed.utils.nvtx": "deepshard.runtime.nvtx",
     "deepspeed.utils.init_on_device": "deepshard.runtime.on_device",
+    "deepspeed.inference.engine": "deepshard.inference.engine",
     "deepspeed.ops.op_builder": "deepshard.runtime.op_builders",
     "deepspeed.checkpoint.utils": "deepshard.runtime.checkpoint.clone",
     "deepspeed.checkpoint.ds_to_universal": "deepshard.runtime.checkpoint.universal",
@@ -145,6 +146,9 @@ NAMES: dict[str, dict[str, str]] = {
     },
     "deepspeed.checkpoint": {},
     "deepspeed.profiling": {},
+    "deepspeed.inference": {"InferenceEngine": "deepshard.inference.engine:InferenceEngine"},
+    "deepspeed.inference.config": {
+        "DeepSpeedInferenceConfig": "deepshard.config.schema_inference:InferenceSection"},
 }
 """DeepSpeed package -> {name: ``"deepshard.module:attribute"``} for the packages the alias
 builds (an empty dict: a package that only holds listed submodules)."""

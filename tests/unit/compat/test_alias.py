@@ -170,30 +170,35 @@ def test_missing_module_is_an_import_error_scripts_can_catch(tmp_path):
             assert isinstance(exc, ModuleNotFoundError) and isinstance(exc, UsageError)
             print(exc.name)
         try:
-            import deepspeed.inference.engine
+            import deepspeed.inference.v2
         except ModuleNotFoundError as exc:
             print(exc.name)
+        from deepspeed.inference.engine import InferenceEngine
+        import deepshard.inference.engine as mine
+        print(InferenceEngine is mine.InferenceEngine)
     """, tmp_path))
     assert out.split()[0] == "deepspeed.ops.aio"  # deepspeed.ops is a table row
-    assert out.split()[1] == "deepspeed.inference"
+    assert out.split()[1] == "deepspeed.inference.v2"  # FastGen; deepspeed.inference is built
+    assert out.split()[2] == "True"
 
 
 def test_missing_top_level_name_is_one_line(tmp_path):
-    result = run_py("import deepspeed\ndeepspeed.init_inference", tmp_path)
+    result = run_py("import deepspeed\ndeepspeed.DeepSpeedTransformerLayer", tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        "deepshard: error: deepspeed.init_inference: no deepshard counterpart for "
-        "DeepSpeed-Inference (init_inference, InferenceEngine) (under --deepspeed_compat, "
-        "deepspeed is deepshard). HINT: " + ATTRIBUTES["init_inference"].instead]
+        "deepshard: error: deepspeed.DeepSpeedTransformerLayer: no deepshard counterpart for "
+        "the fused DeepSpeedTransformerLayer (under --deepspeed_compat, deepspeed is "
+        "deepshard). HINT: " + ATTRIBUTES["DeepSpeedTransformerLayer"].instead]
 
 
 def test_missing_names_keep_hasattr_false(tmp_path):
     out = ok(run_py("""
         import deepspeed
-        print(hasattr(deepspeed, "init_inference"), hasattr(deepspeed, "no_such_name"),
-              getattr(deepspeed, "InferenceEngine", "default"), hasattr(deepspeed, "initialize"))
+        print(hasattr(deepspeed, "DeepSpeedTransformerLayer"), hasattr(deepspeed, "no_such_name"),
+              getattr(deepspeed, "DeepSpeedHybridEngine", "default"),
+              hasattr(deepspeed, "initialize"), hasattr(deepspeed, "init_inference"))
     """, tmp_path))
-    assert out.split() == ["False", "False", "default", "True"]
+    assert out.split() == ["False", "False", "default", "True", "True"]
 
 
 def test_hf_and_accelerate_see_a_deepspeed_distribution_that_names_deepshard(tmp_path):
