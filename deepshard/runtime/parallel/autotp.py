@@ -555,6 +555,11 @@ def apply_autotp(model: nn.Module, plan: TPPlan, group: Group) -> nn.Module:
     model is checked against the plan first and left untouched when it does not match
     (e.g. a plan made for another model, or AutoTP applied twice).
     """
+    padded = [e.name for e in plan.entries if e.padded]
+    if padded:
+        raise UsageError("the plan pads a vocabulary that does not divide by the "
+                         "tensor-parallel size, which only inference supports",
+                         where=padded[0], hint="plan with pad_vocab=False for training")
     world = tp_world_size(group)
     if world != plan.tp_size:
         raise UsageError(f"the plan is for {plan.tp_size} tensor-parallel ranks but the "
@@ -562,10 +567,6 @@ def apply_autotp(model: nn.Module, plan: TPPlan, group: Group) -> nn.Module:
                          hint="plan with the size of the group you apply it with")
     modules = dict(model.named_modules())
     for e in plan.entries:
-        if e.padded:
-            raise UsageError("the plan pads a vocabulary that does not divide by the "
-                             "tensor-parallel size, which only inference supports",
-                             where=e.name, hint="plan with pad_vocab=False for training")
         module = modules.get(e.name)
         kind = nn.Embedding if e.kind in ("vocab", "head_split") else nn.Linear
         if e.kind != "replicate" and not (type(module) is kind and _shape(module) == e.shape):
