@@ -7,7 +7,7 @@ EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint docs bench bench-fanout bench-train bench-zero \
 	bench-parallel bench-hf bench-checkpoint bench-onebit bench-moe bench-long-seq bench-elastic \
-	bench-data-efficiency bench-compile plots clean
+	bench-data-efficiency bench-compile bench-inference plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -73,6 +73,12 @@ bench-zero: install
 # its side venv, /tmp/dsvenv), and torch.compile'd DDP: benchmarks/results/zero_compile.json
 bench-compile: install
 	$(PY) benchmarks/zero.py --compile
+
+# deepshard.init_inference (tp 1/2, fp32/int8) beside HF generate and DeepSpeed 0.19.8's
+# init_inference (its side venv, /tmp/dsvenv): GPT-2 small, greedy, batch 1 and 8, 128 tokens:
+# benchmarks/results/inference.json
+bench-inference: install-test
+	$(PY) benchmarks/inference.py
 
 bench-parallel: install
 	$(PY) benchmarks/parallel.py

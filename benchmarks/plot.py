@@ -16,9 +16,12 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
     zero_compile.png
                  step time, compile time and peak RSS by ZeRO stage: deepshard and
                  DeepSpeed, eager and engine.compile()'d, beside DDP eager and compiled
+    inference.png
+                 greedy generation tokens/s and peak RSS per rank at batch 1 and 8:
+                 deepshard tp 1/2, fp32/int8, beside HF generate and DeepSpeed
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
-                              [--only zero,fanout,...,zero_compile]
+                              [--only zero,fanout,...,zero_compile,inference]
 
 A missing or malformed record is one line naming the file, and exit status 2. Every
 number drawn comes from a record; the footer gives the run's date, commit and load.
@@ -41,7 +44,8 @@ WIDTH_IN, DPI = 8.0, 100
 """Figures are 800 px wide: the README's width."""
 PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
          "elastic": "elastic", "moe": "moe", "long_seq": "long_seq",
-         "data_efficiency": "data_efficiency", "zero_compile": "zero_compile"}
+         "data_efficiency": "data_efficiency", "zero_compile": "zero_compile",
+         "inference": "inference"}
 """Plot name -> the benchmark record it draws."""
 SOURCES = {"zero_compile": "zero.py --compile"}
 """Record name -> the command that writes it, where that is not ``<name>.py``."""
@@ -586,9 +590,94 @@ def plot_zero_compile(data: dict):
     return fig
 
 
+# ---------------------------------------------------------------- inference.png
+
+INFERENCE_SERIES = {("hf", 1, "fp32"): ("HF generate, 1 process", "#7f7f7f"),
+                    ("deepspeed", 1, "fp32"): ("DeepSpeed tp 1", "#ff9896"),
+                    ("deepspeed", 2, "fp32"): ("DeepSpeed tp 2", COLORS["DeepSpeed"]),
+                    ("deepshard", 1, "fp32"): ("deepshard tp 1", "#aec7e8"),
+                    ("deepshard", 2, "fp32"): ("deepshard tp 2", COLORS["deepshard"]),
+                    ("deepshard", 1, "int8"): ("deepshard tp 1 int8", "#98df8a"),
+                    ("deepshard", 2, "int8"): ("deepshard tp 2 int8", "#2ca02c")}
+"""(peer, tp, dtype) -> (label, colour) of its bars; another that ran is drawn in grey."""
+INFERENCE_MISSING_LINES = 8
+
+
+def _inference_series(row: dict) -> tuple[str, str]:
+    key = (row["peer"], row["tp"], row["dtype"])
+    return INFERENCE_SERIES.get(key, (f"{row['peer']} tp {row['tp']} {row['dtype']}",
+                                      "#c7c7c7"))
+
+
+def inference_missing(rows: list[dict]) -> list[str]:
+    """One line per (peer, tp, dtype) with no row that ran: its first row's status."""
+    ran = {(r["peer"], r["tp"], r["dtype"]) for r in rows if r["status"] == "ok"}
+    lines: dict[tuple, str] = {}
+    for r in rows:
+        key = (r["peer"], r["tp"], r["dtype"])
+        if key not in ran and key not in lines:
+            status = r["status"] if len(r["status"]) <= 110 else r["status"][:107] + "..."
+            lines[key] = f"{r['peer']} tp {r['tp']} {r['dtype']}: {status}"
+    return list(lines.values())
+
+
+def plot_inference(data: dict):
+    """Two panels by batch, one bar per peer, tp and dtype that ran: tokens/s (labelled)
+    and peak RSS per rank (bar: the higher rank, dots: each rank); what did not run, and
+    why, under them."""
+    ran = [r for r in data["rows"] if r["status"] == "ok"]
+    if not ran:
+        raise PlotError("no row that ran")
+    order = list(INFERENCE_SERIES)
+    series = sorted({(r["peer"], r["tp"], r["dtype"]) for r in ran},
+                    key=lambda k: (order.index(k) if k in order else len(order), k))
+    batches = sorted({r["batch"] for r in ran})
+    fig, axes = _figure(7.4, 2)
+    width = 0.8 / len(series)
+    for ax, key in zip(axes, ("tokens_per_s", "rss"), strict=True):
+        for r in ran:
+            i = series.index((r["peer"], r["tp"], r["dtype"]))
+            x = batches.index(r["batch"]) + (i - (len(series) - 1) / 2) * width
+            label, color = _inference_series(r)
+            value = r["tokens_per_s"] if key == "tokens_per_s" else max(r["peak_rss_mib"])
+            ax.bar(x, value, width * 0.95, color=color, label=label)
+            if key == "rss":
+                ax.plot([x] * len(r["peak_rss_mib"]), r["peak_rss_mib"], ".", color="black",
+                        markersize=3, label="each rank")
+            else:
+                ax.annotate(f"{value:.0f}", (x, value), textcoords="offset points",
+                            xytext=(0, 2), ha="center", fontsize=7)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches], fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0].set_ylabel("tokens / s", fontsize=8)
+    axes[0].set_title("Generation throughput (batch x new tokens / generate wall time)",
+                      fontsize=9)
+    axes[1].set_ylabel("peak RSS per rank (MiB)", fontsize=8)
+    axes[1].set_title("Peak resident memory (bar: the higher rank, dots: each rank)",
+                      fontsize=9)
+    missing = inference_missing(data["rows"])
+    if missing:
+        shown = missing[:INFERENCE_MISSING_LINES]
+        more = len(missing) - len(shown)
+        axes[1].set_xlabel("did not run:\n" + "\n".join(shown)
+                           + (f"\n... and {more} more" if more else ""), fontsize=6, loc="left")
+    s = data["settings"]
+    m = s["model"]
+    fig.suptitle(f"Greedy generation on CPU: GPT-2 {m['n_layer']} x {m['n_embd']}, random "
+                 f"weights, prompt {s['prompt_len']}, {s['tokens']} new tokens, {s['cores']} "
+                 f"cores per launch" + (" (--quick)" if s.get("quick") else ""), fontsize=10,
+                 y=0.995)
+    _layout(fig, top=0.91)
+    _figure_legend(fig, axes, 0.935)
+    return fig
+
+
 DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
         "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq,
-        "data_efficiency": plot_data_efficiency, "zero_compile": plot_zero_compile}
+        "data_efficiency": plot_data_efficiency, "zero_compile": plot_zero_compile,
+        "inference": plot_inference}
 
 
 # ---------------------------------------------------------------- command line

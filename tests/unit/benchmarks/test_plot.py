@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import data_efficiency
 import elastic
 import fanout
+import inference_report
 import launch
 import long_seq
 import moe
@@ -30,7 +31,8 @@ from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440,
-           "moe": 740, "long_seq": 640, "data_efficiency": 460, "zero_compile": 740}
+           "moe": 740, "long_seq": 640, "data_efficiency": 460, "zero_compile": 740,
+           "inference": 740}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
@@ -158,6 +160,28 @@ def data_efficiency_record() -> dict:
         rows, data_efficiency.table(rows))
 
 
+def inference_record() -> dict:
+    def row(peer: str, tp: int, dtype: str, batch: int, tokens_per_s: float,
+            rss: float) -> dict:
+        return {"peer": peer, "runtime": peer, "tp": tp, "dtype": dtype, "batch": batch,
+                "tokens": 128, "status": "ok", "first_token_ms": 40.0,
+                "tokens_per_s": tokens_per_s * batch, "wall_s": [1.0], "first_token_s": [0.04],
+                "peak_rss_mib": [rss] * tp, "tokens_equal_hf": True, "first_difference": None,
+                "ranks_agree": True, "agreement": 1.0 if dtype == "fp32" else 0.97,
+                "perplexity": 48000.0 if dtype == "fp32" else 48300.0, "streamed": 129,
+                "load_s": 2.0, "threads_per_rank": 2 // tp, "layers": {}}
+    rows = [r for b in (1, 8) for r in (
+        row("hf", 1, "fp32", b, 20, 900), row("deepspeed", 1, "fp32", b, 21, 950),
+        row("deepshard", 1, "fp32", b, 22, 700), row("deepshard", 2, "fp32", b, 30, 420),
+        row("deepshard", 2, "int8", b, 40, 300))]
+    rows.append({"peer": "deepspeed", "runtime": "deepspeed", "tp": 2, "dtype": "fp32",
+                 "batch": 1, "status": "not runnable: AssertionError: AutoTP not supported"})
+    rows = inference_report.add_ratios(rows)
+    return record.Run("inference", {"model": {"n_layer": 12, "n_embd": 768}, "prompt_len": 32,
+                                    "tokens": 128, "cores": 2}).to_dict(
+        rows, inference_report.table(rows))
+
+
 @pytest.fixture
 def results(tmp_path):
     """A results folder with one record per benchmark, as the scripts write them."""
@@ -165,7 +189,7 @@ def results(tmp_path):
     folder.mkdir()
     for data in (zero_record(), parallel_record(), fanout_record(), launch_record(),
                  elastic_record(), moe_record(), long_seq_record(),
-                 data_efficiency_record(), zero_compile_record()):
+                 data_efficiency_record(), zero_compile_record(), inference_record()):
         (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
     return folder
 

@@ -39,8 +39,8 @@ def test_llama_attention_splits_by_heads_read_from_its_config():
 
 
 def test_heads_that_do_not_divide_are_an_error_naming_the_module():
-    with pytest.raises(UsageError, match="config.num_key_value_heads=4 attention heads do "
-                                         "not divide by the tensor-parallel size 8"):
+    with pytest.raises(UsageError, match=r"config\.num_key_value_heads=4 attention heads do "
+                                         r"not divide by the tensor-parallel size 8"):
         plan_autotp(_model("llama"), 8)
 
 
@@ -129,5 +129,5 @@ def test_engine_answers_the_models_attributes_and_checks_max_out_tokens():
 def test_a_meta_model_without_a_checkpoint_is_refused():
     import deepshard
 
-    with pytest.raises(UsageError, match="on the meta device .* no checkpoint was given"):
+    with pytest.raises(UsageError, match=r"on the meta device .* no checkpoint was given"):
         deepshard.init_inference(_model("llama"), dtype=torch.float32)
