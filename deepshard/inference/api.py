@@ -205,6 +205,9 @@ def _check_split(model: nn.Module, plan) -> None:
 
 
 def _device(spec: InferenceSpec) -> torch.device:
-    if spec.keep_module_on_host or not torch.cuda.is_available():
+    """The rank's device. ``keep_module_on_host`` needs nothing: weights are always read and
+    sharded on the host, and only the rank's shards move to the device."""
+    del spec
+    if not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
