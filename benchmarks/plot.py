@@ -17,8 +17,9 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
                  step time, compile time and peak RSS by ZeRO stage: deepshard and
                  DeepSpeed, eager and engine.compile()'d, beside DDP eager and compiled
     inference.png
-                 greedy generation tokens/s and peak RSS per rank at batch 1 and 8:
-                 deepshard tp 1/2, fp32/int8, beside HF generate and DeepSpeed
+                 greedy generation tokens/s and peak RSS per rank (and its import
+                 baseline), GPT-2 and LLaMA at batch 1 and 8: deepshard tp 1/2, fp32/int8,
+                 beside HF generate and DeepSpeed
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
                               [--only zero,fanout,...,zero_compile,inference]
@@ -595,6 +596,7 @@ def plot_zero_compile(data: dict):
 INFERENCE_SERIES = {("hf", 1, "fp32"): ("HF generate, 1 process", "#7f7f7f"),
                     ("deepspeed", 1, "fp32"): ("DeepSpeed tp 1", "#ff9896"),
                     ("deepspeed", 2, "fp32"): ("DeepSpeed tp 2", COLORS["DeepSpeed"]),
+                    ("deepspeed-policy", 2, "fp32"): ("DeepSpeed tp 2, policy", "#9467bd"),
                     ("deepshard", 1, "fp32"): ("deepshard tp 1", "#aec7e8"),
                     ("deepshard", 2, "fp32"): ("deepshard tp 2", COLORS["deepshard"]),
                     ("deepshard", 1, "int8"): ("deepshard tp 1 int8", "#98df8a"),
@@ -610,53 +612,80 @@ def _inference_series(row: dict) -> tuple[str, str]:
 
 
 def inference_missing(rows: list[dict]) -> list[str]:
-    """One line per (peer, tp, dtype) with no row that ran: its first row's status."""
-    ran = {(r["peer"], r["tp"], r["dtype"]) for r in rows if r["status"] == "ok"}
-    lines: dict[tuple, str] = {}
+    """One line per (peer, tp, dtype, status) with no row that ran on some arch: the archs
+    it holds for and that status (the first row's per arch)."""
+    ran = {(r["arch"], r["peer"], r["tp"], r["dtype"]) for r in rows if r["status"] == "ok"}
+    firsts: dict[tuple, str] = {}
     for r in rows:
-        key = (r["peer"], r["tp"], r["dtype"])
-        if key not in ran and key not in lines:
-            status = r["status"] if len(r["status"]) <= 110 else r["status"][:107] + "..."
-            lines[key] = f"{r['peer']} tp {r['tp']} {r['dtype']}: {status}"
-    return list(lines.values())
+        key = (r["arch"], r["peer"], r["tp"], r["dtype"])
+        if key not in ran and key not in firsts:
+            firsts[key] = r["status"]
+    merged: dict[tuple, list[str]] = {}
+    for (arch, peer, tp, dtype), status in firsts.items():
+        merged.setdefault((peer, tp, dtype, status), []).append(arch)
+    lines = []
+    for (peer, tp, dtype, status), archs in merged.items():
+        line = f"{'/'.join(archs)} {peer} tp {tp} {dtype}: {status}"
+        lines.append(line if len(line) <= 130 else line[:127] + "...")
+    return lines
+
+
+def _inference_groups(ran: list[dict]) -> list[tuple[str, int]]:
+    """The (arch, batch) groups of bars, archs in run order, batches ascending."""
+    archs = list(dict.fromkeys(r["arch"] for r in ran))
+    return [(a, b) for a in archs for b in sorted({r["batch"] for r in ran if r["arch"] == a})]
+
+
+def _inference_bars(ax, ran: list[dict], series: list, groups: list, metric: str) -> None:
+    """One bar per row at its group and series; tokens/s labelled; RSS: the higher rank's
+    peak, its import baseline hatched over the bar's foot, and a dot per rank."""
+    width = 0.8 / len(series)
+    for r in ran:
+        i = series.index((r["peer"], r["tp"], r["dtype"]))
+        x = groups.index((r["arch"], r["batch"])) + (i - (len(series) - 1) / 2) * width
+        label, color = _inference_series(r)
+        if metric == "tokens_per_s":
+            ax.bar(x, r["tokens_per_s"], width * 0.95, color=color, label=label)
+            ax.annotate(f"{r['tokens_per_s']:.0f}", (x, r["tokens_per_s"]),
+                        textcoords="offset points", xytext=(0, 2), ha="center", fontsize=6,
+                        rotation=90)
+            continue
+        top = max(range(len(r["peak_rss_mib"])), key=lambda k: r["peak_rss_mib"][k])
+        ax.bar(x, r["peak_rss_mib"][top], width * 0.95, color=color, label=label)
+        ax.bar(x, min(r["import_rss_mib"][top], r["peak_rss_mib"][top]), width * 0.95,
+               color="white", alpha=0.55, hatch="////", edgecolor="#555555", linewidth=0,
+               label="RSS after imports")
+        ax.plot([x] * len(r["peak_rss_mib"]), r["peak_rss_mib"], ".", color="black",
+                markersize=3, label="each rank")
 
 
 def plot_inference(data: dict):
-    """Two panels by batch, one bar per peer, tp and dtype that ran: tokens/s (labelled)
-    and peak RSS per rank (bar: the higher rank, dots: each rank); what did not run, and
-    why, under them."""
+    """Two panels, one group of bars per arch and batch, one bar per peer, tp and dtype that
+    ran: tokens/s (labelled) and peak RSS per rank (bar: the higher rank, its import baseline
+    hatched; dots: each rank); what did not run, and why, under them."""
     ran = [r for r in data["rows"] if r["status"] == "ok"]
     if not ran:
         raise PlotError("no row that ran")
     order = list(INFERENCE_SERIES)
     series = sorted({(r["peer"], r["tp"], r["dtype"]) for r in ran},
                     key=lambda k: (order.index(k) if k in order else len(order), k))
-    batches = sorted({r["batch"] for r in ran})
-    fig, axes = _figure(7.4, 2)
-    width = 0.8 / len(series)
-    for ax, key in zip(axes, ("tokens_per_s", "rss"), strict=True):
-        for r in ran:
-            i = series.index((r["peer"], r["tp"], r["dtype"]))
-            x = batches.index(r["batch"]) + (i - (len(series) - 1) / 2) * width
-            label, color = _inference_series(r)
-            value = r["tokens_per_s"] if key == "tokens_per_s" else max(r["peak_rss_mib"])
-            ax.bar(x, value, width * 0.95, color=color, label=label)
-            if key == "rss":
-                ax.plot([x] * len(r["peak_rss_mib"]), r["peak_rss_mib"], ".", color="black",
-                        markersize=3, label="each rank")
-            else:
-                ax.annotate(f"{value:.0f}", (x, value), textcoords="offset points",
-                            xytext=(0, 2), ha="center", fontsize=7)
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
-        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches], fontsize=8)
+    groups = _inference_groups(ran)
+    fig, axes = _figure(8.0, 2)
+    for ax, metric in zip(axes, ("tokens_per_s", "rss"), strict=True):
+        _inference_bars(ax, ran, series, groups, metric)
+        ax.set_ylim(0, ax.get_ylim()[1] * (1.15 if metric == "tokens_per_s" else 1.05))
+        ax.set_xticks(range(len(groups)), [f"{a} batch {b}" for a, b in groups], fontsize=8)
+        for k in range(1, len(groups)):
+            if groups[k][0] != groups[k - 1][0]:
+                ax.axvline(k - 0.5, color="#999999", linewidth=0.8, linestyle=":")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
     axes[0].set_ylabel("tokens / s", fontsize=8)
     axes[0].set_title("Generation throughput (batch x new tokens / generate wall time)",
                       fontsize=9)
     axes[1].set_ylabel("peak RSS per rank (MiB)", fontsize=8)
-    axes[1].set_title("Peak resident memory (bar: the higher rank, dots: each rank)",
-                      fontsize=9)
+    axes[1].set_title("Peak resident memory (bar: the higher rank, hatched: its RSS after "
+                      "the imports; dots: each rank)", fontsize=9)
     missing = inference_missing(data["rows"])
     if missing:
         shown = missing[:INFERENCE_MISSING_LINES]
@@ -664,14 +693,25 @@ def plot_inference(data: dict):
         axes[1].set_xlabel("did not run:\n" + "\n".join(shown)
                            + (f"\n... and {more} more" if more else ""), fontsize=6, loc="left")
     s = data["settings"]
-    m = s["model"]
-    fig.suptitle(f"Greedy generation on CPU: GPT-2 {m['n_layer']} x {m['n_embd']}, random "
-                 f"weights, prompt {s['prompt_len']}, {s['tokens']} new tokens, {s['cores']} "
-                 f"cores per launch" + (" (--quick)" if s.get("quick") else ""), fontsize=10,
-                 y=0.995)
-    _layout(fig, top=0.91)
-    _figure_legend(fig, axes, 0.935)
+    models = " and ".join(m["title"] for m in s["models"].values())
+    fig.suptitle(f"Greedy generation on CPU: {models}, random weights\nprompt "
+                 f"{s['prompt_len']}, {s['tokens']} new tokens, {s['cores']} cores per launch"
+                 + (" (--quick)" if s.get("quick") else ""), fontsize=10, y=0.995)
+    _layout(fig, top=0.93)  # tight_layout already keeps the two-line title clear
+    _inference_legend(fig, axes, [_inference_series({"peer": p, "tp": t, "dtype": d})[0]
+                                  for p, t, d in series])
     return fig
+
+
+def _inference_legend(fig, axes, order: list[str]) -> None:
+    """One legend above both panels, five columns: the series in ``order``, then the marks."""
+    handles: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    labels = [x for x in order if x in handles] + [x for x in handles if x not in order]
+    fig.legend([handles[x] for x in labels], labels, fontsize=7, ncol=5, loc="upper center",
+               bbox_to_anchor=(0.5, 0.94), frameon=False)
 
 
 DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,

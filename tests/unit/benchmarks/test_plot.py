@@ -32,7 +32,7 @@ from train import Outcome
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440,
            "moe": 740, "long_seq": 640, "data_efficiency": 460, "zero_compile": 740,
-           "inference": 740}
+           "inference": 800}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
@@ -161,25 +161,46 @@ def data_efficiency_record() -> dict:
 
 
 def inference_record() -> dict:
-    def row(peer: str, tp: int, dtype: str, batch: int, tokens_per_s: float,
+    def row(arch: str, peer: str, tp: int, dtype: str, batch: int, tokens_per_s: float,
             rss: float) -> dict:
-        return {"peer": peer, "runtime": peer, "tp": tp, "dtype": dtype, "batch": batch,
-                "tokens": 128, "status": "ok", "first_token_ms": 40.0,
+        return {"arch": arch, "peer": peer, "runtime": peer, "tp": tp, "dtype": dtype,
+                "batch": batch, "tokens": 128, "status": "ok", "first_token_ms": 40.0,
                 "tokens_per_s": tokens_per_s * batch, "wall_s": [1.0], "first_token_s": [0.04],
-                "peak_rss_mib": [rss] * tp, "tokens_equal_hf": True, "first_difference": None,
+                "peak_rss_mib": [rss + 10 * r for r in range(tp)],
+                "import_rss_mib": [370.0] * tp,
+                "work_rss_mib": [rss + 10 * r - 370.0 for r in range(tp)],
+                "tokens_equal_hf": True, "first_difference": None,
                 "ranks_agree": True, "agreement": 1.0 if dtype == "fp32" else 0.97,
                 "perplexity": 48000.0 if dtype == "fp32" else 48300.0, "streamed": 129,
                 "load_s": 2.0, "threads_per_rank": 2 // tp, "layers": {}}
-    rows = [r for b in (1, 8) for r in (
-        row("hf", 1, "fp32", b, 20, 900), row("deepspeed", 1, "fp32", b, 21, 950),
-        row("deepshard", 1, "fp32", b, 22, 700), row("deepshard", 2, "fp32", b, 30, 420),
-        row("deepshard", 2, "int8", b, 40, 300))]
-    rows.append({"peer": "deepspeed", "runtime": "deepspeed", "tp": 2, "dtype": "fp32",
-                 "batch": 1, "status": "not runnable: AssertionError: AutoTP not supported"})
+    rows = [r for arch in ("gpt2", "llama") for b in (1, 8) for r in (
+        row(arch, "hf", 1, "fp32", b, 20, 900), row(arch, "deepspeed", 1, "fp32", b, 21, 950),
+        row(arch, "deepshard", 1, "fp32", b, 22, 700),
+        row(arch, "deepshard", 2, "fp32", b, 30, 420),
+        row(arch, "deepshard", 2, "int8", b, 40, 300))]
+    rows.append(row("llama", "deepspeed", 2, "fp32", 1, 18, 600))
+    rows += [{"arch": arch, "peer": "deepspeed", "runtime": "deepspeed", "tp": tp,
+              "dtype": "int8", "batch": 1, "status": "not runnable: ValueError: Data type "
+              "torch.int8 is not supported by cpu accelerator"}
+             for arch in ("gpt2", "llama") for tp in (1, 2)]
+    rows.append({"arch": "gpt2", "peer": "deepspeed", "runtime": "deepspeed", "tp": 2,
+                 "dtype": "fp32", "batch": 1,
+                 "status": "not runnable: AssertionError: AutoTP not supported"})
     rows = inference_report.add_ratios(rows)
-    return record.Run("inference", {"model": {"n_layer": 12, "n_embd": 768}, "prompt_len": 32,
-                                    "tokens": 128, "cores": 2}).to_dict(
-        rows, inference_report.table(rows))
+    models = {"gpt2": {"title": "GPT-2 12 layers x 768"},
+              "llama": {"title": "LLaMA 12 layers x 768 (MLP 2048)"}}
+    return record.Run("inference", {"models": models, "prompt_len": 32, "tokens": 128,
+                                     "cores": 2}).to_dict(rows, inference_report.table(rows))
+
+
+def test_the_inference_plot_lists_what_did_not_run_once_per_status_over_the_archs():
+    lines = plot.inference_missing(inference_record()["rows"])
+    assert lines == [
+        "gpt2/llama deepspeed tp 1 int8: not runnable: ValueError: Data type torch.int8 is "
+        "not supported by cpu accelerator",
+        "gpt2/llama deepspeed tp 2 int8: not runnable: ValueError: Data type torch.int8 is "
+        "not supported by cpu accelerator",
+        "gpt2 deepspeed tp 2 fp32: not runnable: AssertionError: AutoTP not supported"]
 
 
 @pytest.fixture
