@@ -28,6 +28,7 @@ from torch import nn
 
 from deepshard.config.schema_inference import InferenceSpec, parse_inference_config
 from deepshard.errors import UsageError
+from deepshard.inference.collectives import TPComm
 from deepshard.inference.engine import InferenceEngine
 from deepshard.inference.fused import inject_kernels
 from deepshard.inference.layers import ShardedLinear
@@ -71,7 +72,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
             log.warning("%s", note)
     source, where = _source(model, spec)
     policy = _policy(model, spec.injection_policy)
-    report = shard_for_inference(model, source, group, rank, world, dtype=dtype, where=where,
+    comm = TPComm.create(group, world, rank)
+    report = shard_for_inference(model, source, comm, rank, world, dtype=dtype, where=where,
                                  policy=policy)
     if world > 1:
         _check_split(model, report.plan)
@@ -84,7 +86,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     model.eval()
     model.requires_grad_(False)
     if _rank0():
-        log.info("init_inference: tensor-parallel size %d, %s, %.1f MiB on rank 0%s", world,
+        log.info("init_inference: tensor-parallel size %d%s, %s, %.1f MiB on rank 0%s", world,
+                 " (shared-memory collectives)" if comm.shared_memory else "",
                  "int8 weights" if spec.int8 else str(next(model.parameters()).dtype),
                  report.local_bytes / 2**20, "".join(f"; {d}" for d in done))
         log.debug("%s", report.plan.describe())

@@ -18,18 +18,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from deepshard.inference.collectives import TPComm
 
 if TYPE_CHECKING:
     from deepshard.inference.quant import Int8Kernel
 
 LinearKind = Literal["column", "row", "replicate"]
-
-
-def _world(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+_ALONE = TPComm(None, 1, 0, None)
 
 
 class ShardedLinear(nn.Module):
@@ -43,7 +41,7 @@ class ShardedLinear(nn.Module):
     """
 
     def __init__(self, kind: LinearKind, in_features: int, out_features: int,
-                 local_shape: tuple[int, int], bias: bool, group=None, *,
+                 local_shape: tuple[int, int], bias: bool, comm: TPComm = _ALONE, *,
                  gather_output: bool = False, input_is_parallel: bool = True,
                  rank: int = 0, device=None, dtype=None) -> None:
         super().__init__()
@@ -53,7 +51,7 @@ class ShardedLinear(nn.Module):
         self.gather_output = gather_output
         self.input_is_parallel = input_is_parallel
         self.rank = rank
-        self.group = group
+        self.comm = comm
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local_shape, **kw), requires_grad=False)
         width = local_shape[0] if kind == "column" else out_features
@@ -64,16 +62,17 @@ class ShardedLinear(nn.Module):
         if self.kind == "row" and not self.input_is_parallel:
             width = self.weight.shape[1]
             x = x[..., self.rank * width:(self.rank + 1) * width]
-        add_bias = self.bias if self.kind != "row" else None
+        alone = self.kind == "row" and self.comm.world == 1
+        add_bias = self.bias if self.kind != "row" or alone else None
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # 2-D: one addmm, as HF's Conv1D does
         y = self._kernel(x) if self._kernel is not None else F.linear(x, self.weight, add_bias)
-        if self.kind == "row":
-            if _world(self.group) > 1:
-                dist.all_reduce(y, group=self.group)
+        y = y.view(*lead, y.shape[-1])
+        if self.kind == "row" and not alone:
+            y = self.comm.all_reduce(y)
             return y if self.bias is None else y + self.bias
-        if self.kind == "column" and self.gather_output and _world(self.group) > 1:
-            parts = [torch.empty_like(y) for _ in range(_world(self.group))]
-            dist.all_gather(parts, y.contiguous(), group=self.group)
-            y = torch.cat(parts, dim=-1)
+        if self.kind == "column" and self.gather_output:
+            y = self.comm.all_gather_last(y)
         return y[..., :self.out_features] if y.shape[-1] > self.out_features else y
 
     @property
@@ -107,7 +106,8 @@ class VocabShardedEmbedding(nn.Module):
     past ``V`` are zero padding, never looked up); a token's row comes from the one rank
     holding it, through an all-reduce."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, rows: int, group=None, *,
+    def __init__(self, num_embeddings: int, embedding_dim: int, rows: int,
+                 comm: TPComm = _ALONE, *,
                  rank: int = 0, padding_idx: int | None = None, device=None,
                  dtype=None) -> None:
         super().__init__()
@@ -115,18 +115,17 @@ class VocabShardedEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
         self.start = rank * rows
-        self.group = group
+        self.comm = comm
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype),
                                    requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world == 1:
+            return F.embedding(ids, self.weight)
         rows = self.weight.shape[0]
         outside = (ids < self.start) | (ids >= self.start + rows)
         out = F.embedding((ids - self.start).clamp(0, rows - 1), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if _world(self.group) > 1:
-            dist.all_reduce(out, group=self.group)
-        return out
+        return self.comm.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows {self.start}.."

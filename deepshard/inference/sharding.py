@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from deepshard.errors import UsageError
+from deepshard.inference.collectives import TPComm
 from deepshard.inference.layers import ShardedLinear, VocabShardedEmbedding
 from deepshard.inference.sources import Ranges, TensorSource
 from deepshard.runtime.parallel.autotp import (
@@ -90,6 +91,7 @@ class _Reader:
         self.where = where
         self.largest = 0
         self.whole: set[str] = set()
+        self.cache: dict[tuple, torch.Tensor] = {}
         self.aliases: dict[str, list[str]] = {}
         by_id: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -111,17 +113,24 @@ class _Reader:
                          hint="load a checkpoint of this model's architecture (its config "
                               "must match the model given to init_inference)")
 
-    def read(self, name: str, dim: int | None = None, ranges: Ranges = ()) -> torch.Tensor:
+    def read(self, name: str, dim: int | None = None, ranges: Ranges = (),
+             rows: int | None = None) -> torch.Tensor:
         key = self.key(name)
+        found = self.cache.get((key, dim, tuple(ranges), rows))
+        if found is not None:  # a tied weight: the very tensor its first user got
+            return found
         module = name.rpartition(".")[0]
         flip = module in self.transposed and name.endswith(".weight")
         value = self.source.read(key, None if dim is None else (1 - dim if flip else dim),
-                                 ranges)
-        value = value.t().contiguous() if flip else value
+                                 ranges, None if flip else rows)
+        value = value.t() if flip else value  # a transposed view: F.linear takes it as is
         if dim is None:
             self.whole.add(name)
         self.largest = max(self.largest, value.numel())
-        return value.to(self.dtype) if self.dtype and value.is_floating_point() else value
+        value = value.to(self.dtype) if self.dtype and value.is_floating_point() else value
+        if self.aliases.get(name):  # tied in the model: read once
+            self.cache[(key, dim, tuple(ranges), rows)] = value
+        return value
 
 
 def _ranges(full: int, sections: tuple[int, ...], rank: int, world: int) -> list[tuple[int, int]]:
@@ -138,22 +147,16 @@ def _padded(full: int, rank: int, world: int) -> tuple[int, tuple[int, int]]:
     return rows, (min(rank * rows, full), min((rank + 1) * rows, full))
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
-def _build(e: TPEntry, module: nn.Module, reader: _Reader, group, rank: int, world: int,
+def _build(e: TPEntry, module: nn.Module, reader: _Reader, comm, rank: int, world: int,
            dtype) -> nn.Module:
     w = f"{e.name}.weight"
     b = f"{e.name}.bias"
     if e.kind == "vocab":
         rows, span = _padded(e.shape[0], rank, world) if e.padded else (
             e.shape[0] // world, (rank * e.shape[0] // world, (rank + 1) * e.shape[0] // world))
-        layer = VocabShardedEmbedding(e.shape[0], e.shape[1], rows, group, rank=rank,
+        layer = VocabShardedEmbedding(e.shape[0], e.shape[1], rows, comm, rank=rank,
                                       padding_idx=getattr(module, "padding_idx", None))
-        layer.weight.data = _pad_rows(reader.read(w, 0, [span]), rows)
+        layer.weight.data = reader.read(w, 0, [span], rows)
         return layer
     if e.kind == "head_split":
         local = e.shape[1] // world
@@ -169,22 +172,20 @@ def _build(e: TPEntry, module: nn.Module, reader: _Reader, group, rank: int, wor
         else:
             spans = _ranges(out_f, e.sections, rank, world)
             rows = sum(hi - lo for lo, hi in spans)
-        layer = ShardedLinear("column", in_f, out_f, (rows, in_f), e.bias, group,
+        layer = ShardedLinear("column", in_f, out_f, (rows, in_f), e.bias, comm,
                               gather_output=e.gather_output, rank=rank, device="meta")
-        layer.weight = nn.Parameter(_pad_rows(reader.read(w, 0, spans), rows),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(reader.read(w, 0, spans, rows), requires_grad=False)
         if e.bias:
-            layer.bias = nn.Parameter(_pad_rows(reader.read(b, 0, spans), rows),
-                                      requires_grad=False)
+            layer.bias = nn.Parameter(reader.read(b, 0, spans, rows), requires_grad=False)
         return layer
     if e.kind == "row":
         local = in_f // world
-        layer = ShardedLinear("row", in_f, out_f, (out_f, local), e.bias, group,
+        layer = ShardedLinear("row", in_f, out_f, (out_f, local), e.bias, comm,
                               input_is_parallel=e.input_is_parallel, rank=rank, device="meta")
         layer.weight = nn.Parameter(reader.read(w, 1, [(rank * local, (rank + 1) * local)]),
                                     requires_grad=False)
     else:
-        layer = ShardedLinear("replicate", in_f, out_f, (out_f, in_f), e.bias, group,
+        layer = ShardedLinear("replicate", in_f, out_f, (out_f, in_f), e.bias, comm,
                               device="meta")
         layer.weight = nn.Parameter(reader.read(w), requires_grad=False)
     if e.bias:
@@ -192,11 +193,13 @@ def _build(e: TPEntry, module: nn.Module, reader: _Reader, group, rank: int, wor
     return layer
 
 
-def shard_for_inference(model: nn.Module, source: TensorSource, group, rank: int, world: int,
+def shard_for_inference(model: nn.Module, source: TensorSource, comm: TPComm, rank: int,
+                        world: int,
                         *, dtype: torch.dtype | None = None, where: str = "checkpoint",
                         policy: Mapping[str, str] | None = None) -> ShardReport:
     """Shard ``model`` in place for rank ``rank`` of ``world`` tensor-parallel ranks
-    (``group``), reading weights from ``source``; see the module docstring.
+    (whose collectives are ``comm``), reading weights from ``source``; see the module
+    docstring.
 
     ``policy`` overrides the planner's kind for named modules (``"row"`` / ``"column"`` /
     ``"replicate"``), DeepSpeed's ``injection_policy`` turned into names by the engine.
@@ -210,12 +213,12 @@ def shard_for_inference(model: nn.Module, source: TensorSource, group, rank: int
     built: dict[str, nn.Module] = {}
     for e in plan.entries:
         if e.kind != "replicate" or type(modules[e.name]) is nn.Linear:
-            built[e.name] = _build(e, modules[e.name], reader, group, rank, world, dtype)
+            built[e.name] = _build(e, modules[e.name], reader, comm, rank, world, dtype)
     for name, module in modules.items():
         if type(module) is nn.Linear and name not in built:
             e = TPEntry(name, "replicate", "", tuple(module.weight.shape),
                         module.bias is not None)
-            built[name] = _build(e, module, reader, group, rank, world, dtype)
+            built[name] = _build(e, module, reader, comm, rank, world, dtype)
     for names in plan.ties:
         for name in names[1:]:
             built[name].weight = built[names[0]].weight

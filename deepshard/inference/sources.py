@@ -12,6 +12,7 @@ weight, nor the whole model.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -26,13 +27,22 @@ Ranges = Sequence[tuple[int, int]]
 
 class TensorSource(Protocol):
     """Tensors by key; :meth:`read` returns rows/columns ``ranges`` of ``dim`` concatenated
-    (all of it when ``dim`` is None)."""
+    (all of it when ``dim`` is None), with ``rows`` (dim 0 only) zero rows appended up to
+    that many (a padded vocabulary shard) in the same allocation."""
 
     def keys(self) -> Iterable[str]: ...
 
     def shape(self, key: str) -> tuple[int, ...]: ...
 
-    def read(self, key: str, dim: int | None = None, ranges: Ranges = ()) -> torch.Tensor: ...
+    def read(self, key: str, dim: int | None = None, ranges: Ranges = (),
+             rows: int | None = None) -> torch.Tensor: ...
+
+
+def _padded_copy(t: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """A copy of ``t`` with zero rows up to ``rows`` (one allocation)."""
+    out = torch.zeros(max(rows or 0, t.shape[0]), *t.shape[1:], dtype=t.dtype)
+    out[:t.shape[0]] = t
+    return out
 
 
 def _cut(t, dim: int | None, ranges: Ranges) -> torch.Tensor:
@@ -55,8 +65,9 @@ class StateDictSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._tensors[key].shape)
 
-    def read(self, key: str, dim: int | None = None, ranges: Ranges = ()) -> torch.Tensor:
-        return _cut(self._tensors[key], dim, ranges).clone()
+    def read(self, key: str, dim: int | None = None, ranges: Ranges = (),
+             rows: int | None = None) -> torch.Tensor:
+        return _padded_copy(_cut(self._tensors[key], dim, ranges), rows)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -75,10 +86,12 @@ class SafetensorsSource:
     def __init__(self, directory: Path, files: Sequence[str] = ()) -> None:
         self._where: dict[str, tuple[int, dict]] = {}
         self._fds: list[int] = []
+        self._files: dict[int, str] = {}
         paths = [directory / f for f in files] or sorted(directory.glob("*.safetensors"))
         for f in paths:
             fd = os.open(f, os.O_RDONLY)
             self._fds.append(fd)
+            self._files[fd] = str(f)
             size = int.from_bytes(os.pread(fd, 8, 0), "little")
             header = json.loads(os.pread(fd, size, 8))
             header.pop("__metadata__", None)
@@ -100,33 +113,46 @@ class SafetensorsSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._where[key][1]["shape"])
 
-    def _rows(self, key: str, a: int, b: int) -> torch.Tensor:
+    def _into(self, out: torch.Tensor, key: str, a: int, b: int) -> None:
+        """Read rows ``[a, b)`` of ``key`` straight into ``out`` (contiguous, that size)."""
         fd, info = self._where[key]
-        shape = info["shape"]
-        dtype = _DTYPES[info["dtype"]]
-        row = dtype.itemsize * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
-        data = bytearray(os.pread(fd, (b - a) * row, info["start"] + a * row))
-        out = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        return out.reshape(b - a, *shape[1:])
+        target = out.reshape(-1).view(torch.uint8).numpy()
+        offset = info["start"] + a * (out.numel() // max(1, b - a)) * out.element_size()
+        done = 0
+        while done < target.nbytes:
+            n = os.preadv(fd, [target[done:]], offset + done)
+            if n <= 0:
+                raise UsageError(f"{key} ends early", where=self._files[fd],
+                                 hint="the safetensors file is truncated: save it again")
+            done += n
 
-    def read(self, key: str, dim: int | None = None, ranges: Ranges = ()) -> torch.Tensor:
+    def read(self, key: str, dim: int | None = None, ranges: Ranges = (),
+             rows: int | None = None) -> torch.Tensor:
         shape = self.shape(key)
+        dtype = _DTYPES[self._where[key][1]["dtype"]]
         if dim is None:
-            return self._rows(key, 0, shape[0]) if shape else self._scalar(key)
+            out = torch.empty(shape, dtype=dtype)
+            if out.numel():
+                self._into(out, key, 0, shape[0] if shape else 1)
+            return out
         if dim == 0:
-            parts = [self._rows(key, a, b) for a, b in ranges]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        row = _DTYPES[self._where[key][1]["dtype"]].itemsize * shape[1]
-        step = max(1, _BLOCK // row)
-        blocks = [_cut(self._rows(key, r, min(r + step, shape[0])), 1, ranges)
-                  for r in range(0, shape[0], step)]
-        return torch.cat(blocks)
-
-    def _scalar(self, key: str) -> torch.Tensor:
-        fd, info = self._where[key]
-        dtype = _DTYPES[info["dtype"]]
-        return torch.frombuffer(bytearray(os.pread(fd, dtype.itemsize, info["start"])),
-                                dtype=dtype).reshape(())
+            at = sum(b - a for a, b in ranges)
+            out = torch.empty(max(at, rows or 0), *shape[1:], dtype=dtype)
+            out[at:] = 0
+            at = 0
+            for a, b in ranges:
+                if b > a:
+                    self._into(out[at:at + b - a], key, a, b)
+                at += b - a
+            return out
+        out = torch.empty(shape[0], sum(b - a for a, b in ranges), *shape[2:], dtype=dtype)
+        step = max(1, _BLOCK // (dtype.itemsize * max(1, math.prod(shape[1:]))))
+        block = torch.empty(min(step, shape[0]), *shape[1:], dtype=dtype)
+        for r in range(0, shape[0], step):
+            rows = block[:min(step, shape[0] - r)]
+            self._into(rows, key, r, r + rows.shape[0])
+            out[r:r + rows.shape[0]] = _cut(rows, 1, ranges)
+        return out
 
 
 class CheckpointSource:
@@ -146,8 +172,9 @@ class CheckpointSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._reader.shape(key)
 
-    def read(self, key: str, dim: int | None = None, ranges: Ranges = ()) -> torch.Tensor:
-        return _cut(self._reader.value(key), dim, ranges).clone()
+    def read(self, key: str, dim: int | None = None, ranges: Ranges = (),
+             rows: int | None = None) -> torch.Tensor:
+        return _padded_copy(_cut(self._reader.value(key), dim, ranges), rows)
 
 
 def open_source(path: str | os.PathLike, where: str = "checkpoint") -> TensorSource:

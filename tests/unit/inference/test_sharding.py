@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 def _model(family: str, meta: bool = True) -> nn.Module:
     auto, config = configs()[family]
+    torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         return getattr(transformers, auto).from_config(config)
 
