@@ -331,7 +331,7 @@ def hf_worker(args: argparse.Namespace) -> tuple[int, dict]:
 def deepshard_worker(args: argparse.Namespace) -> tuple[int, dict]:
     """The ``deepshard`` peer, one rank of ``ds-run --num_gpus T``."""
     import deepshard
-    import deepshard.inference.api  # noqa: F401  what deepshard.init_inference imports on first use
+    import deepshard.inference.api  # what deepshard.init_inference imports on first use
 
     setup, reference = load_reference(args)
     import_rss = import_baseline(setup.arch)
