@@ -75,8 +75,6 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     comm = TPComm.create(group, world, rank)
     report = shard_for_inference(model, source, comm, rank, world, dtype=dtype, where=where,
                                  policy=policy)
-    if world > 1:
-        _check_split(model, report.plan)
     done = inject_kernels(model, device) if spec.kernel_inject else ()
     model.to(device)
     if spec.int8:
@@ -98,14 +96,14 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _group(spec: InferenceSpec):
+def _group(spec: InferenceSpec) -> tuple[Any, int, int]:
     """(group, rank in it, its size)."""
     if spec.tp_group is not None:
         return spec.tp_group, dist.get_rank(spec.tp_group), dist.get_world_size(spec.tp_group)
     if spec.tp_size == 1:
         return None, 0, 1
     if not dist.is_initialized():
-        from deepshard.comm import init_distributed
+        from deepshard.comm.distributed import init_distributed
 
         init_distributed()
     world = dist.get_world_size()
@@ -161,12 +159,12 @@ def _source(model: nn.Module, spec: InferenceSpec) -> tuple[TensorSource, str]:
     return StateDictSource(tensors), where
 
 
-def _based(path, base: str | None) -> Path:
+def _based(path: str | os.PathLike, base: str | None) -> Path:
     p = Path(path)
     return p if p.is_absolute() or not base else Path(base) / p
 
 
-def _policy(model: nn.Module, injection_policy) -> dict[str, str] | None:
+def _policy(model: nn.Module, injection_policy: Any) -> dict[str, str] | None:
     """DeepSpeed's ``{BlockClass: ("name.of.row_linear", ...)}``: in every module of a
     listed class, the named Linears are row-parallel (all-reduced) and the block's other
     Linears column-parallel."""
@@ -187,24 +185,6 @@ def _policy(model: nn.Module, injection_policy) -> dict[str, str] | None:
                               for r in rows)
                     kinds[f"{prefix}.{name}"] = "row" if row else "column"
     return kinds
-
-
-def _check_split(model: nn.Module, plan) -> None:
-    """At tp_size > 1 a block whose Linears all stay whole means AutoTP has no rule for it:
-    an error naming it, never a silent replica."""
-    from deepshard.runtime.parallel.autotp_rules import block_names, in_block
-
-    blocks = block_names(model)
-    for block in sorted(blocks):
-        inside = [e for e in plan.entries if in_block(e.name, frozenset({block}))
-                  and e.kind != "head_split" and len(e.shape) == 2]
-        if inside and all(e.kind == "replicate" for e in inside):
-            cls = type(model.get_submodule(block)).__name__
-            raise UsageError(f"AutoTP has no rule to split {cls} ({block}): "
-                             f"{', '.join(e.name.rsplit('.', 1)[-1] for e in inside)} "
-                             "would all stay whole", where="init_inference: tensor_parallel",
-                             hint=f"pass injection_policy={{{cls}: ('<name of each Linear "
-                                  "writing back to the residual stream>', ...)}")
 
 
 def _device(spec: InferenceSpec) -> torch.device:

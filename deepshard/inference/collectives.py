@@ -26,6 +26,7 @@ import os
 import platform
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ class TPComm:
     """All-reduce and all-gather over one tensor-parallel group (see the module docstring);
     build it with :meth:`create` on every rank of the group."""
 
-    def __init__(self, group, world: int, rank: int, shm: torch.Tensor | None) -> None:
+    def __init__(self, group: Any, world: int, rank: int, shm: torch.Tensor | None) -> None:
         self.group = group
         self.world = world
         self.rank = rank
@@ -58,7 +59,7 @@ class TPComm:
             self._slots = shm[world * _LINE:].view(2, world, SLOT)
 
     @classmethod
-    def create(cls, group, world: int, rank: int) -> TPComm:
+    def create(cls, group: Any, world: int, rank: int) -> TPComm:
         """A collective call on every rank of ``group`` (shared memory is set up when the
         whole group is on this host)."""
         if world == 1:
@@ -128,7 +129,7 @@ class TPComm:
         return [side[r, :n].view(x.dtype) for r in range(self.world)]
 
 
-def _map_shared(group, world: int, rank: int) -> torch.Tensor | None:
+def _map_shared(group: Any, world: int, rank: int) -> torch.Tensor | None:
     """The shared buffer mapped on every rank of ``group``, or None (another host, not
     x86-64, no ``/dev/shm``): decided together, so all ranks agree."""
     import socket

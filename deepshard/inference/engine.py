@@ -27,7 +27,8 @@ from deepshard.errors import UsageError
 class InferenceEngine(nn.Module):
     """A model prepared by :func:`~deepshard.inference.api.init_inference`."""
 
-    def __init__(self, module: nn.Module, config: Any, group=None, report: Any = None) -> None:
+    def __init__(self, module: nn.Module, config: Any, group: Any = None,
+                 report: Any = None) -> None:
         super().__init__()
         self.module = module
         self._config = config
@@ -57,7 +58,7 @@ class InferenceEngine(nn.Module):
         """The parsed ``init_inference`` settings."""
         return self._config
 
-    def forward(self, *inputs, **kwargs):
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The model's forward; timed when :meth:`profile_model_time` is on."""
         start = time.perf_counter()
         out = self.module(*inputs, **kwargs)
@@ -65,7 +66,7 @@ class InferenceEngine(nn.Module):
             self._times.append((time.perf_counter() - start) * 1e3)
         return out
 
-    def generate(self, *inputs, **kwargs):
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """HF ``generate`` on the sharded model (greedy, sampling, beam search)."""
         ids = kwargs.get("input_ids", inputs[0] if inputs else None)
         limit = self._config.max_out_tokens

@@ -15,7 +15,7 @@ names (``weight``, ``bias``), so a state dict of a sharded model has the dense k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ class ShardedLinear(nn.Module):
     def __init__(self, kind: LinearKind, in_features: int, out_features: int,
                  local_shape: tuple[int, int], bias: bool, comm: TPComm = _ALONE, *,
                  gather_output: bool = False, input_is_parallel: bool = True,
-                 rank: int = 0, device=None, dtype=None) -> None:
+                 rank: int = 0, device: Any = None, dtype: Any = None) -> None:
         super().__init__()
         self.kind = kind
         self.in_features = in_features
@@ -108,8 +108,8 @@ class VocabShardedEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, rows: int,
                  comm: TPComm = _ALONE, *,
-                 rank: int = 0, padding_idx: int | None = None, device=None,
-                 dtype=None) -> None:
+                 rank: int = 0, padding_idx: int | None = None, device: Any = None,
+                 dtype: Any = None) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim

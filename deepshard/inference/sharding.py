@@ -35,7 +35,7 @@ from deepshard.runtime.parallel.autotp import (
     TPPlan,
     plan_autotp,
 )
-from deepshard.runtime.parallel.autotp_rules import WIDTH_ATTRS, head_attrs
+from deepshard.runtime.parallel.autotp_rules import WIDTH_ATTRS, block_names, head_attrs, in_block
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class _Reader:
                 candidates += [alias.removeprefix(self.prefix + "."), f"{self.prefix}.{alias}"]
         for key in candidates:
             if key in self.keys:
-                return key
+                return str(key)
         raise UsageError(f"the checkpoint has no tensor {name}", where=self.where,
                          hint="load a checkpoint of this model's architecture (its config "
                               "must match the model given to init_inference)")
@@ -147,8 +147,8 @@ def _padded(full: int, rank: int, world: int) -> tuple[int, tuple[int, int]]:
     return rows, (min(rank * rows, full), min((rank + 1) * rows, full))
 
 
-def _build(e: TPEntry, module: nn.Module, reader: _Reader, comm, rank: int, world: int,
-           dtype) -> nn.Module:
+def _build(e: TPEntry, module: nn.Module, reader: _Reader, comm: TPComm, rank: int,
+           world: int) -> nn.Module:
     w = f"{e.name}.weight"
     b = f"{e.name}.bias"
     if e.kind == "vocab":
@@ -208,17 +208,19 @@ def shard_for_inference(model: nn.Module, source: TensorSource, comm: TPComm, ra
     plan = plan_autotp(model, world, pad_vocab=True)
     if policy:
         plan = _override(model, plan, policy, world)
+    if world > 1:
+        _check_split(model, plan)
     reader = _Reader(source, model, transposed, dtype, where)
     modules = dict(model.named_modules())
     built: dict[str, nn.Module] = {}
     for e in plan.entries:
         if e.kind != "replicate" or type(modules[e.name]) is nn.Linear:
-            built[e.name] = _build(e, modules[e.name], reader, comm, rank, world, dtype)
+            built[e.name] = _build(e, modules[e.name], reader, comm, rank, world)
     for name, module in modules.items():
         if type(module) is nn.Linear and name not in built:
             e = TPEntry(name, "replicate", "", tuple(module.weight.shape),
                         module.bias is not None)
-            built[name] = _build(e, module, reader, comm, rank, world, dtype)
+            built[name] = _build(e, module, reader, comm, rank, world)
     for names in plan.ties:
         for name in names[1:]:
             built[name].weight = built[names[0]].weight
@@ -234,6 +236,22 @@ def shard_for_inference(model: nn.Module, source: TensorSource, comm: TPComm, ra
     split = {f"{e.name}.{p}" for e in plan.entries if e.kind != "replicate"
              for p in (("weight", "bias") if e.kind == "column" else ("weight",))}
     return ShardReport(plan, local, reader.largest, tuple(sorted(reader.whole & split)))
+
+
+def _check_split(model: nn.Module, plan: TPPlan) -> None:
+    """At tp_size > 1 a block whose Linears all stay whole means AutoTP has no rule for it:
+    an error naming it, never a silent replica."""
+    blocks = block_names(model)
+    for block in sorted(blocks):
+        inside = [e for e in plan.entries if in_block(e.name, frozenset({block}))
+                  and e.kind != "head_split" and len(e.shape) == 2]
+        if inside and all(e.kind == "replicate" for e in inside):
+            cls = type(model.get_submodule(block)).__name__
+            raise UsageError(f"AutoTP has no rule to split {cls} ({block}): "
+                             f"{', '.join(e.name.rsplit('.', 1)[-1] for e in inside)} "
+                             "would all stay whole", where="init_inference: tensor_parallel",
+                             hint=f"pass injection_policy={{{cls}: ('<name of each Linear "
+                                  "writing back to the residual stream>', ...)}")
 
 
 def _override(model: nn.Module, plan: TPPlan, policy: Mapping[str, str], world: int

@@ -16,7 +16,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,7 +45,7 @@ def _padded_copy(t: torch.Tensor, rows: int | None) -> torch.Tensor:
     return out
 
 
-def _cut(t, dim: int | None, ranges: Ranges) -> torch.Tensor:
+def _cut(t: Any, dim: int | None, ranges: Ranges) -> torch.Tensor:
     """Slices of ``t`` (a tensor or a safetensors slice) concatenated along ``dim``."""
     if dim is None:
         return t[:] if not isinstance(t, torch.Tensor) else t
@@ -147,11 +147,11 @@ class SafetensorsSource:
             return out
         out = torch.empty(shape[0], sum(b - a for a, b in ranges), *shape[2:], dtype=dtype)
         step = max(1, _BLOCK // (dtype.itemsize * max(1, math.prod(shape[1:]))))
-        block = torch.empty(min(step, shape[0]), *shape[1:], dtype=dtype)
+        block: torch.Tensor = torch.empty(min(step, shape[0]), *shape[1:], dtype=dtype)
         for r in range(0, shape[0], step):
-            rows = block[:min(step, shape[0] - r)]
-            self._into(rows, key, r, r + rows.shape[0])
-            out[r:r + rows.shape[0]] = _cut(rows, 1, ranges)
+            chunk = block[:min(step, shape[0] - r)]
+            self._into(chunk, key, r, r + chunk.shape[0])
+            out[r:r + chunk.shape[0]] = _cut(chunk, 1, ranges)
         return out
 
 
