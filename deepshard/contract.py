@@ -100,7 +100,9 @@ EV_DONE = "done"
 ``failed``, ``stopped``) and, when stopped, ``reason``."""
 EV_ALIVE = "alive"
 """Sent every :data:`ALIVE_INTERVAL` seconds: the agent and its channel work. ``workers``
-maps rank -> {``rss`` bytes, ``cpu`` percent, ``step``, ``beat_age`` seconds or null};
+maps rank -> {``rss`` bytes, ``cpu`` percent, ``step``, ``beat_age`` seconds or null,
+``times``: the steps it finished since the last ``alive``, as [step, seconds, own-work
+seconds or null]};
 ``gpus`` lists {``index``, ``mem_used``, ``mem_total`` bytes, ``util`` percent} (NVML)."""
 EV_HUNG = "hung"
 """Workers stopped heartbeating: ``rank`` (silent longest) for ``silent`` seconds, and all
@@ -283,6 +285,9 @@ class WorkerStats:
     ckpt: int = -1
     """The step of the last complete checkpoint it wrote
     (:func:`deepshard.liveness.checkpoint_saved`); -1 before one."""
+    times: tuple[StepTime, ...] = ()
+    """The steps it finished since the previous ``alive`` event (a sample of them when
+    they came faster than :data:`deepshard.liveness.RING` a second)."""
 
     def to_wire(self) -> dict[str, object]:
         wire: dict[str, object] = {"step": self.step, "beat_age": self.beat_age}
@@ -291,6 +296,8 @@ class WorkerStats:
                 wire[key] = getattr(self, key)
         if self.ckpt >= 0:
             wire["ckpt"] = self.ckpt
+        if self.times:
+            wire["times"] = [[t.step, t.seconds, t.busy] for t in self.times]
         return wire
 
     @classmethod
@@ -300,7 +307,30 @@ class WorkerStats:
                    rss=_as_opt_int(_take(fields, "rss", None), "rss"),
                    cpu=_as_opt_float(_take(fields, "cpu", None), "cpu"),
                    loss=_as_opt_float(_take(fields, "loss", None), "loss"),
-                   ckpt=_as_int(_take(fields, "ckpt", -1), "ckpt"))
+                   ckpt=_as_int(_take(fields, "ckpt", -1), "ckpt"),
+                   times=tuple(StepTime.from_wire(_as_list(t, "times"))
+                               for t in _as_list(_take(fields, "times", []), "times")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """One step a worker finished, as it measured it (:mod:`deepshard.liveness`)."""
+
+    step: int
+    seconds: float
+    """Wall time from the end of the previous step to the end of this one: the same on
+    every rank of a synchronous job."""
+    busy: float | None = None
+    """Of those, the seconds before it arrived at the step's synchronisation
+    (:func:`deepshard.liveness.arrive`): its own work, which tells a straggler apart;
+    ``None`` when the worker does not mark its arrival."""
+
+    @classmethod
+    def from_wire(cls, values: list[object]) -> StepTime:
+        if len(values) != 3:
+            raise ProtocolError(f"'times' entry is not [step, seconds, busy]: {values!r}")
+        return cls(step=_as_int(values[0], "times"), seconds=_as_float(values[1], "times"),
+                   busy=_as_opt_float(values[2], "times"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,9 @@ first line on stdin is the :class:`~.plan.NodePlan` as JSON. The agent then
 * relays every output line (stdout and stderr merged) on its stdout, and to
   ``<log_dir>/rank_<N>.log`` when a log directory is given;
 * reports ``started``/``exited``/``hung``/``done`` events (:mod:`deepshard.contract`),
-  and every second an ``alive`` event with each worker's step, heartbeat age, RSS and CPU
-  and the GPUs' memory (its liveness for the coordinator);
+  and every second an ``alive`` event with each worker's step, heartbeat age, RSS and CPU,
+  the times of the steps it finished since (for straggler detection) and the GPUs' memory
+  (its liveness for the coordinator);
 * gives each worker a heartbeat file (:mod:`deepshard.liveness`); with a hang timeout, a
   worker that has beaten and then goes silent that long has its stacks dumped (SIGUSR1)
   and fails the node;
@@ -40,7 +41,13 @@ import types
 
 from deepshard import contract
 from deepshard.launcher import procs
-from deepshard.liveness import FILE_SIZE, STACK_DUMP_SIGNAL, read_checkpoint, read_heartbeat
+from deepshard.liveness import (
+    FILE_SIZE,
+    STACK_DUMP_SIGNAL,
+    read_checkpoint,
+    read_heartbeat,
+    read_steps,
+)
 
 # Start-up cost matters here (one agent per host, all at once): no dataclasses, pathlib or
 # typing at run time. The plan is read as plain JSON (see read_node_plan).
@@ -68,7 +75,8 @@ class AgentState(enum.Enum):
 
 
 class _Worker:
-    __slots__ = ("beat_file", "plan", "proc", "reader", "reported", "returncode", "stats")
+    __slots__ = ("beat_file", "last_step", "plan", "proc", "reader", "reported", "returncode",
+                 "stats", "steps_read")
 
     def __init__(self, plan: WorkerPlan, proc: subprocess.Popen[bytes],
                  reader: threading.Thread, beat_file: str):
@@ -79,6 +87,19 @@ class _Worker:
         self.returncode: int | None = None
         self.reported = False
         self.stats: Any = None  # psutil.Process, once stats are first read
+        self.steps_read = 0  # step records of its heartbeat file read so far
+        self.last_step = -1  # the last step whose time was reported
+
+    def new_step_times(self) -> tuple[contract.StepTime, ...]:
+        """The steps it finished since the last call (:func:`.liveness.read_steps`)."""
+        self.steps_read, records = read_steps(self.beat_file, self.steps_read)
+        times = []
+        for step, step_ns, busy_ns in records:
+            if step > self.last_step:  # a record read twice (see read_steps) counts once
+                self.last_step = step
+                times.append(contract.StepTime(step=step, seconds=step_ns / 1e9,
+                                               busy=busy_ns / 1e9 if busy_ns >= 0 else None))
+        return tuple(times)
 
 
 class _Channel:
@@ -266,12 +287,14 @@ class Agent:
             try:
                 beat_ns, step, beat_pid, loss = read_heartbeat(w.beat_file)
                 ckpt = read_checkpoint(w.beat_file)
+                times = w.new_step_times()
             except OSError:
-                beat_ns, step, beat_pid, loss, ckpt = 0, -1, 0, None, -1
+                beat_ns, step, beat_pid, loss, ckpt, times = 0, -1, 0, None, -1, ()
             age = (now_ns - beat_ns) / 1e9 if beat_ns else None
             rss, cpu = self._probe.worker(w)
             workers[w.plan.rank] = contract.WorkerStats(step=step, beat_age=age, rss=rss,
-                                                        cpu=cpu, loss=loss, ckpt=ckpt)
+                                                        cpu=cpu, loss=loss, ckpt=ckpt,
+                                                        times=times)
             hang = self.node.hang_timeout
             if hang and age is not None and age > hang:
                 hung.append((-age, step, w, beat_pid))

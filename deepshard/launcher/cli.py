@@ -45,6 +45,8 @@ from deepshard.launcher.resources import (
 from deepshard.launcher.selectors import visible_devices_pool
 from deepshard.launcher.slurm_env import allocation_resources, expand_nodelist, in_allocation
 from deepshard.launcher.spawn import DEFAULT_HOSTFILE
+from deepshard.launcher.straggler import StragglerPolicy
+from deepshard.launcher.summary import JobRecord, check_summary_path, write_summary
 from deepshard.launcher.supervisor import Outcome, supervise
 
 if TYPE_CHECKING:
@@ -99,6 +101,13 @@ if TYPE_CHECKING:
 @click.option("--monitor_timeout", type=click.FloatRange(min=1.0), default=30.0,
               show_default=True,
               help="Seconds of silence after which a node is lost and the job stopped.")
+@click.option("--straggler_factor", type=click.FloatRange(min=1.0, min_open=True), default=1.5,
+              show_default=True,
+              help="Name a rank whose own work per step, before it synchronises, stays this "
+                   "many times the other ranks' median (deepshard.liveness.arrive marks it).")
+@click.option("--summary_json", default=None, metavar="PATH",
+              help="Write the job's outcome and per-rank step times (with straggler "
+                   "verdicts) to PATH as JSON when ds-run ends, also on failure.")
 @click.option("--module", is_flag=True, help="Run USER_SCRIPT as a module (python -m).")
 @click.option("--no_python", is_flag=True, help="Run USER_SCRIPT directly, not with python.")
 @click.option("--no_local_rank", is_flag=True,
@@ -151,6 +160,28 @@ def launch(options: LaunchOptions, spawned: Spawned | None = None) -> int:
 
         render_plan(first, sys.stdout, shown_commands(options, first))
         return 0
+    job = JobRecord(run_id, StragglerPolicy(factor=options.straggler_factor))
+    code: int | None = None  # None: ds-run itself failed (a bug, KeyboardInterrupt)
+    try:
+        code = run_job(options, spawned, first, job, restarts_before)
+        return code
+    except UsageError as exc:  # e.g. a host that cannot be reached: nothing ran
+        job.usage_error, code = str(exc), EXIT_USAGE
+        raise
+    finally:
+        if options.summary_json is not None:
+            try:
+                write_summary(options.summary_json, job.to_json(code))
+            except OSError as exc:
+                sys.stderr.write(f"ds-run: cannot write --summary_json "
+                                 f"{options.summary_json}: {exc.strerror or exc}\n")
+
+
+def run_job(options: LaunchOptions, spawned: Spawned | None, first: LaunchPlan,
+            job: JobRecord, restarts_before: int) -> int:
+    """Run the planned job (``first``), restarting it while ``--max_restarts`` allows (or
+    elastically); ``job`` records each attempt for the summary."""
+    run_id = first.run_id
     backend = Router(LocalBackend(spawned=spawned), remote_backend(options, first))
     live = sys.stdout.isatty() if options.live is None else options.live
 
@@ -164,7 +195,7 @@ def launch(options: LaunchOptions, spawned: Spawned | None = None) -> int:
             except UsageError as exc:
                 sys.stderr.write(f"ds-run: cannot restart: {exc}\n")
                 return Outcome(1, restartable=True)
-        return run_attempt(plan, backend, options, live, restart)
+        return run_attempt(plan, backend, options, live, restart, job=job)
 
     # orphans of a local agent that died (SIGKILL, OOM killer) come to us: swept below
     procs.become_subreaper()
@@ -173,7 +204,7 @@ def launch(options: LaunchOptions, spawned: Spawned | None = None) -> int:
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if options.elastic_training:
-            return launch_elastic(options, first, backend, live, run_id, restarts_before)
+            return launch_elastic(options, first, backend, live, run_id, restarts_before, job)
         backend.prepare(first.nodes)  # a host that cannot be reached: exit 2, nothing ran
         return supervise(attempt, options.max_restarts, err=sys.stderr)
     except _Stopped as stop:
@@ -198,7 +229,7 @@ def _raise_stop(signum: int, _frame: object) -> None:
 
 
 def launch_elastic(options: LaunchOptions, full: LaunchPlan, backend: Backend, live: bool,
-                   run_id: str, restarts_before: int) -> int:
+                   run_id: str, restarts_before: int, job: JobRecord | None = None) -> int:
     """``--elastic_training``: :func:`.elastic.supervise_elastic` over this CLI's planning,
     attempts and the preflight probe."""
     from deepshard.launcher.elastic import Attempt, Session, make_policy, supervise_elastic
@@ -216,7 +247,7 @@ def launch_elastic(options: LaunchOptions, full: LaunchPlan, backend: Backend, l
 
         try:
             outcome = run_attempt(plan, backend, options, live, restart,
-                                  observer=session.observe, watch=watch)
+                                  observer=session.observe, watch=watch, job=job)
         finally:
             session.attach(None)
         return Attempt(outcome.code, started[0])
@@ -257,12 +288,16 @@ def probe_host(options: LaunchOptions, host: str, slots: int) -> str | None:
 def run_attempt(plan: LaunchPlan, backend: Backend, options: LaunchOptions, live: bool,
                 restart: int, *,
                 observer: Callable[[str, AgentEvent], None] | None = None,
-                watch: Callable[[Coordinator], None] | None = None) -> Outcome:
+                watch: Callable[[Coordinator], None] | None = None,
+                job: JobRecord | None = None) -> Outcome:
     """One attempt of the job, with the live view when asked; ``observer`` sees every
-    agent event, ``watch`` the coordinator before it runs."""
+    agent event, ``watch`` the coordinator before it runs, ``job`` records the attempt."""
     def coordinate(view: LiveView | None) -> Outcome:
         coordinator = Coordinator(plan, backend, monitor_timeout=options.monitor_timeout,
-                                  view=view, observer=observer)
+                                  view=view, observer=observer,
+                                  steps=job.attempt_started(restart) if job else None)
+        if job is not None:
+            job.last = coordinator
         if watch is not None:
             watch(coordinator)
         code = coordinator.run()
@@ -316,6 +351,7 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0,
     training's current membership)."""
     check_script(options)
     check_log_dir(options.log_dir)
+    check_summary_path(options.summary_json)
     hostfile = options.hostfile
     if hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):
         hostfile = DEFAULT_HOSTFILE

@@ -4,6 +4,8 @@ It starts one agent per node, prints worker output with ``[host:rank]`` prefixes
 treats the first worker failure, agent error or lost agent as the failure of the job: every
 agent is told to stop, and once all are gone it prints which rank failed first, how, and
 the last lines it printed. SIGINT/SIGTERM/SIGHUP stop the job the same way and give 130/143/129.
+It also names, in one line each, a rank that becomes or stops being a straggler
+(:mod:`.straggler`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, TextIO
 from deepshard import contract
 from deepshard.launcher.backends.base import AgentHandle, Backend
 from deepshard.launcher.plan import LaunchPlan
+from deepshard.launcher.straggler import StepWatch, StragglerPolicy, Verdict
 
 if TYPE_CHECKING:
     import io
@@ -144,7 +147,8 @@ class Coordinator:
     def __init__(self, plan: LaunchPlan, backend: Backend, *, out: TextIO | None = None,
                  err: TextIO | None = None, monitor_timeout: float = 30.0,
                  view: LiveView | None = None,
-                 observer: Callable[[str, contract.AgentEvent], None] | None = None):
+                 observer: Callable[[str, contract.AgentEvent], None] | None = None,
+                 steps: StepWatch | None = None):
         self.plan = plan
         self.backend = backend
         self.out = sys.stdout if out is None else out
@@ -168,6 +172,8 @@ class Coordinator:
         a node's death makes the workers of the others fail too, often first."""
         self.regrouped: str | None = None
         """Why :meth:`regroup` stopped the attempt (``None``: it did not)."""
+        self.steps = StepWatch(StragglerPolicy()) if steps is None else steps
+        """The workers' step times and straggler verdicts (shared by a job's attempts)."""
         self._killed = False
 
     def run(self) -> int:
@@ -310,6 +316,8 @@ class Coordinator:
             case contract.Alive(workers=workers, gpus=gpus):
                 if self.view is not None:
                     self.view.update(host, workers, gpus)
+                for verdict in self.steps.observe(host, workers):
+                    self._on_verdict(host, verdict)
             case contract.Done(state=state, reason=reason):
                 if state not in ("succeeded", "failed"):
                     # stopped by someone else (a signal on that host, its lease running out)
@@ -317,6 +325,21 @@ class Coordinator:
                                        f"workers ({reason or state})"))
             case contract.Started():
                 pass
+
+    def _on_verdict(self, host: str, v: Verdict) -> None:
+        """One line when a rank becomes, or stops being, a straggler."""
+        where = f"{host}:{v.rank}"
+        if v.straggler:
+            self.err.write(f"ds-run: straggler: rank {v.rank} on {host} ({where}) works "
+                           f"{v.ratio:.1f}x as long per step as the other ranks before it "
+                           f"synchronises ({v.own:.3f} s vs {v.others:.3f} s, median of its "
+                           f"last {v.steps} steps to step {v.step}); the others wait for it\n")
+        else:
+            self.err.write(f"ds-run: rank {v.rank} on {host} ({where}) is no longer a "
+                           f"straggler ({v.ratio:.1f}x the other ranks at step {v.step})\n")
+        self.err.flush()
+        if self.view is not None:
+            self.view.slow(v.rank, v.ratio if v.straggler else None)
 
     def _fail(self, failure: Failure) -> None:
         if self.failure is None and not self._stopping:

@@ -1,5 +1,6 @@
 """The live view: one row per rank (host, state, step, steps/s, loss, heartbeat age, RSS,
-CPU, GPU memory), redrawn in place while worker output scrolls above it. Used when stdout
+CPU, GPU memory), redrawn in place while worker output scrolls above it. A straggler's
+state reads ``running, slow 2.3x`` (:mod:`.straggler`). Used when stdout
 is a terminal; elsewhere ds-run prints plain ``[host:rank]`` lines."""
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ class LiveView:
                 row["gpu_mem"] = gpu.mem_used if gpu else None
         self._live.update(self._table())
 
+    def slow(self, rank: int, ratio: float | None) -> None:
+        """Mark ``rank`` a straggler taking ``ratio`` times the others' time, or clear it
+        (``None``); the mark stays after it exits."""
+        with self._lock:
+            self._rows.setdefault(rank, {})["slow"] = ratio
+        self._live.update(self._table())
+
     def exited(self, rank: int, returncode: int) -> None:
         with self._lock:
             self._rows.setdefault(rank, {})["state"] = (
@@ -153,8 +161,11 @@ class LiveView:
                 age = row.get("beat_age")
                 cpu = row.get("cpu")
                 rate = row.get("rate")
+                slow = row.get("slow")
+                state = str(row.get("state", "?")) + (
+                    f", slow {slow:.1f}x" if isinstance(slow, float) else "")
                 table.add_row(
-                    str(rank), str(row.get("host", "?")), str(row.get("state", "?")),
+                    str(rank), str(row.get("host", "?")), state,
                     "-" if step in (None, -1) else str(step),
                     "-" if rate is None else f"{rate:.3g}",
                     _loss(row.get("loss")),

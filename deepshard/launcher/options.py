@@ -60,5 +60,10 @@ class LaunchOptions:
     """An elastic job runs on at most this many nodes (default: every host)."""
     elastic_probe_interval: float = 60.0
     """Seconds between probes of the hosts an elastic job lost."""
+    straggler_factor: float = 1.5
+    """A rank whose own work per step (before it synchronises) stays at least this many
+    times the other ranks' median is named a straggler (:mod:`.straggler`)."""
+    summary_json: str | None = None
+    """Where to write the job's JSON summary when ds-run ends (:mod:`.summary`)."""
     stop_grace: float = 5.0
     """Seconds between SIGTERM and SIGKILL when workers are stopped."""

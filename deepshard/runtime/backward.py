@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from deepshard.errors import UsageError
+from deepshard.liveness import arrive
 from deepshard.runtime.nested import tensors_in
 
 
@@ -115,6 +116,8 @@ class BackwardDriver:
         finally:
             SESSIONS.explicit -= 1
             self._explicit -= 1
+        if sync:
+            arrive()  # own work done; the gradient reduction waits from here (ds-run stragglers)
         self._strategy.end_backward(sync)
 
     def hook_outputs(self, out: Any) -> None:
@@ -162,5 +165,7 @@ class BackwardDriver:
         s, self._session = self._session, None
         if s is None:
             return
+        if s.sync:
+            arrive()
         self._strategy.end_backward(s.sync)
         self._after()
