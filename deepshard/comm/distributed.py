@@ -2,8 +2,10 @@
 
 :func:`resolve_dist_env` reads, in order of precedence, the deepshard/torchrun contract
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), SLURM's variables (a script started by
-``srun`` one task per GPU) and Open MPI's (``mpirun``); with none of them, the process is a
-world of one. :func:`init_distributed` then initialises ``torch.distributed`` with nccl on
+``srun`` one task per GPU) and MPI's (``mpirun`` of Open MPI, MPICH, Intel MPI or
+MVAPICH, as ``ds-run --launcher openmpi|mpich|impi|mvapich`` starts the script:
+:data:`MPI_RANK` and its siblings name the variables read); with none of them, the process
+is a world of one. :func:`init_distributed` then initialises ``torch.distributed`` with nccl on
 CUDA and gloo otherwise, and does nothing when it is already initialised.
 """
 
@@ -25,6 +27,21 @@ from deepshard.liveness import register_stack_dump
 
 DEFAULT_PORT = 29500
 logger = logging.getLogger(__name__)
+
+# Each MPI's names for a process's place, first match wins: Open MPI (OMPI_COMM_WORLD_*, and
+# PMIX_RANK from Open MPI 5), MPICH/Intel MPI/MVAPICH's hydra (PMI_*, MPI_LOCAL*), MVAPICH2's
+# mpirun_rsh (MV2_COMM_WORLD_*), Cray PALS; WORLD_SIZE and LOCAL_SIZE are what DeepSpeed's
+# MPICH and Intel MPI command lines add with -genv (they carry no rank variable).
+MPI_RANK = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK",
+            "PALS_RANKID")
+MPI_SIZE = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+MPI_LOCAL_RANK = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                  "PALS_LOCAL_RANKID")
+MPI_LOCAL_SIZE = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE",
+                  "PALS_LOCAL_SIZE", "LOCAL_SIZE")
+MPI_VARIABLES = frozenset((*MPI_RANK, *MPI_SIZE, *MPI_LOCAL_RANK, *MPI_LOCAL_SIZE)
+                          ) - {"WORLD_SIZE", "LOCAL_SIZE"}
+"""What ``init_distributed(auto_mpi_discovery=False)`` ignores."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,9 @@ def _checked(env: DistEnv) -> DistEnv:
 def _resolve(environ: Mapping[str, str], default_port: int) -> DistEnv:
     port_text = environ.get("MASTER_PORT")
     port = _int(environ, "MASTER_PORT") if port_text else None
-    if ("RANK" in environ) != ("WORLD_SIZE" in environ):
+    mpi_rank = _first(environ, MPI_RANK)
+    if ("RANK" in environ) != ("WORLD_SIZE" in environ) and (
+            mpi_rank is None or "RANK" in environ):
         have, missing = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
         raise UsageError(f"{have} is set but {missing} is not", where="environment",
                          hint="set both (a launcher sets both), or neither for one process")
@@ -113,22 +132,48 @@ def _resolve(environ: Mapping[str, str], default_port: int) -> DistEnv:
             local_world_size=_slurm_local_tasks(environ, ntasks),
             master_addr=master, master_port=slurm_port if port is None else port,
             source="slurm")
-    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
-        world = _int(environ, "OMPI_COMM_WORLD_SIZE")
-        if world > 1 and not environ.get("MASTER_ADDR"):
-            raise UsageError("started by mpirun without MASTER_ADDR", where="environment",
-                             hint="pass -x MASTER_ADDR=<first host> -x MASTER_PORT=<port> "
-                                  "to mpirun")
-        return DistEnv(
-            rank=_int(environ, "OMPI_COMM_WORLD_RANK"), world_size=world,
-            local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
-            if "OMPI_COMM_WORLD_LOCAL_RANK" in environ else 0,
-            local_world_size=_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
-            if "OMPI_COMM_WORLD_LOCAL_SIZE" in environ else world,
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=default_port if port is None else port, source="mpi")
+    if mpi_rank is not None:
+        return _from_mpi(environ, mpi_rank, default_port if port is None else port)
     return DistEnv(0, 1, 0, 1, environ.get("MASTER_ADDR", "127.0.0.1"),
                    _free_port() if port is None else port, "single")
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if name in environ), None)
+
+
+def _from_mpi(environ: Mapping[str, str], rank_name: str, port: int) -> DistEnv:
+    """A process ``mpirun`` started: rank and world from its MPI's variables; the
+    rendezvous from ``MASTER_ADDR`` (which ``ds-run`` exports with ``-x``/``-genv``), or
+    loopback when every rank is on this node."""
+    size_name = _first(environ, MPI_SIZE)
+    if size_name is None:
+        raise UsageError(f"{rank_name} is set but no world size ({', '.join(MPI_SIZE)})",
+                         where="environment",
+                         hint="start the script with mpirun, or set WORLD_SIZE")
+    world = _int(environ, size_name)
+    local_rank_name = _first(environ, MPI_LOCAL_RANK)
+    local_size_name = _first(environ, MPI_LOCAL_SIZE)
+    local_size = _int(environ, local_size_name) if local_size_name else None
+    master = environ.get("MASTER_ADDR")
+    if not master:
+        if world > 1 and local_size != world:
+            raise UsageError("started by mpirun without MASTER_ADDR", where="environment",
+                             hint="pass -x MASTER_ADDR=<first host> -x MASTER_PORT=<port> "
+                                  "to mpirun (-genv with MPICH), or launch with ds-run "
+                                  "--launcher openmpi|mpich")
+        master = "127.0.0.1"
+    return DistEnv(
+        rank=_int(environ, rank_name), world_size=world,
+        local_rank=_int(environ, local_rank_name) if local_rank_name else 0,
+        local_world_size=world if local_size is None else local_size,
+        master_addr=master, master_port=port, source="mpi")
+
+
+def mpi_local_rank(environ: Mapping[str, str]) -> str | None:
+    """The local rank an MPI launcher gave this process, as text (``None``: none did)."""
+    name = _first(environ, MPI_LOCAL_RANK)
+    return None if name is None else environ[name]
 
 
 def _slurm_local_tasks(environ: Mapping[str, str], ntasks: int) -> int:
@@ -174,8 +219,10 @@ def init_distributed(
     Args:
         dist_backend: ``"nccl"``, ``"gloo"``...; by default nccl when CUDA is available,
             gloo otherwise.
-        auto_mpi_discovery: read Open MPI's variables when no launcher contract is present
-            (without mpi4py, ``MASTER_ADDR`` must then be exported by mpirun).
+        auto_mpi_discovery: read MPI's variables (:data:`MPI_RANK`...) when no launcher
+            contract is present (without mpi4py, ``MASTER_ADDR`` must then be exported by
+            mpirun, as ``ds-run --launcher openmpi|mpich|impi|mvapich`` does, unless every
+            rank runs on this node).
         distributed_port: the rendezvous port when ``MASTER_PORT`` is not set.
         verbose: log the resolved rank, world and rendezvous on rank 0.
         timeout: collective timeout (torch's default when ``None``).
@@ -202,7 +249,7 @@ def init_distributed(
 
     environ = dict(os.environ)
     if not auto_mpi_discovery:
-        environ = {k: v for k, v in environ.items() if not k.startswith("OMPI_COMM_WORLD_")}
+        environ = {k: v for k, v in environ.items() if k not in MPI_VARIABLES}
     dist_env = resolve_dist_env(environ, default_port=distributed_port)
     if rank != -1 or world_size != -1:
         overrides: dict[str, Any] = {

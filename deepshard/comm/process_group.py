@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from deepshard.comm.distributed import DEFAULT_PORT, DistEnv
+from deepshard.comm.distributed import DEFAULT_PORT, DistEnv, mpi_local_rank
 from deepshard.errors import UsageError
 
 TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
@@ -92,9 +92,10 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_local_rank() -> int:
-    """This process's rank on its node: ``LOCAL_RANK``, else Open MPI's local rank, else 0
-    (as DeepSpeed reads it; no group needed)."""
-    value = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    """This process's rank on its node: ``LOCAL_RANK``, else an MPI launcher's local rank
+    (``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``...), else 0 (as DeepSpeed reads
+    it; no group needed)."""
+    value = os.environ.get("LOCAL_RANK") or mpi_local_rank(os.environ) or "0"
     return int(value)
 
 

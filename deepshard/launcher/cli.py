@@ -83,7 +83,8 @@ if TYPE_CHECKING:
 @click.option("--launcher", type=click.Choice(list(BACKENDS)), default=None,
               help=launcher_help())
 @click.option("--launcher_args", default="", metavar="ARGS",
-              help="Extra arguments for pdsh or srun (--launcher pdsh/slurm only).")
+              help="Extra arguments for pdsh, srun or mpirun (--launcher pdsh, slurm or an "
+                   "MPI one).")
 @click.option("--ssh_port", type=click.IntRange(1, 65535), default=None,
               help="SSH port for every host [default: ~/.ssh/config's Port, else 22].")
 @click.option("--remote_python", default=None, metavar="PATH",

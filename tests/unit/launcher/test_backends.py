@@ -21,6 +21,12 @@ from deepshard.launcher.backends import (
     launcher_help,
 )
 from deepshard.launcher.backends.local import LocalBackend
+from deepshard.launcher.backends.mpi import (
+    ImpiBackend,
+    MpichBackend,
+    MvapichBackend,
+    OpenmpiBackend,
+)
 from deepshard.launcher.backends.pdsh import PdshBackend, pdsh_command
 from deepshard.launcher.backends.slurm import SlurmBackend, srun_command
 from deepshard.launcher.backends.ssh import SSHBackend, agent_command
@@ -36,7 +42,8 @@ ALLOC = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-02]"}
 
 def test_every_registered_backend_resolves_to_its_class():
     expected = {"ssh": SSHBackend, "pdsh": PdshBackend, "slurm": SlurmBackend,
-                "local": LocalBackend}
+                "openmpi": OpenmpiBackend, "mpich": MpichBackend, "impi": ImpiBackend,
+                "mvapich": MvapichBackend, "local": LocalBackend}
     assert set(BACKENDS) == set(expected)
     for name, cls in expected.items():
         assert get_backend(name) is cls
@@ -44,7 +51,7 @@ def test_every_registered_backend_resolves_to_its_class():
 
 
 def test_unknown_backend_names_the_known_ones():
-    with pytest.raises(KeyError, match="ssh, pdsh, slurm, local"):
+    with pytest.raises(KeyError, match="ssh, pdsh, slurm, openmpi, mpich, impi, mvapich, local"):
         get_backend("mpi")
 
 
