@@ -24,6 +24,6 @@ def test_a_missing_deepspeed_module_is_one_line_per_rank():
     result = run_ds("--num_gpus", "2", "--deepspeed_compat", SCRIPT, "missing")
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [x for x in result.stderr.splitlines() if "deepshard: error:" in x]
-    expected = "deepspeed.inference: no deepshard counterpart for DeepSpeed-Inference"
+    expected = "deepspeed.inference.v2: no deepshard counterpart for DeepSpeed-FastGen"
     assert lines and all(expected in x for x in lines)
     assert "Traceback" not in result.stderr
