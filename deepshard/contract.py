@@ -556,3 +556,34 @@ def decode_node_plan(token: str, host: str) -> str:
     """The plan JSON of ``host`` from an :func:`encode_node_plans` token."""
     data = json.loads(base64.b64decode(token).decode("utf-8", "surrogateescape"))
     return json.dumps(data[host])
+
+
+# -- a relay's channel (the tree fan-out) ------------------------------------------------------
+# A relay's stdout carries its own agent's lines as they are, and those of the hosts it
+# started behind a mark no agent or worker line starts with: ``\x1d<kind> <host> <text>``.
+RELAY_MARK = "\x1d"
+RELAY_LINE = "c"
+"""A line of a child agent's stdout (its text with the newline)."""
+RELAY_STDERR = "s"
+"""A line of a child agent's stderr (why it could not start, a crash)."""
+RELAY_END = "x"
+"""A child's session ended: JSON ``{"code": exit status or null}``."""
+RELAY_REACH = "r"
+"""After the relay connected to its children, before any of them starts: JSON
+``{"unreachable": {host: [reason, hint]}}`` (host is the relay's own)."""
+RELAY_KEY = "relay"
+"""The key of a relay's payload (its first stdin line), in place of a node plan."""
+
+
+def encode_relayed(kind: str, host: str, text: str) -> str:
+    """One line of a relay's channel about ``host`` (``text`` keeps its newline)."""
+    return f"{RELAY_MARK}{kind} {host} {text}" if text.endswith("\n") else \
+        f"{RELAY_MARK}{kind} {host} {text}\n"
+
+
+def decode_relayed(line: str) -> tuple[str, str, str] | None:
+    """``(kind, host, text)`` of a relayed line; ``None`` for the relay's own lines."""
+    if not line.startswith(RELAY_MARK) or len(line) < 3:
+        return None
+    host, _, text = line[3:].partition(" ")
+    return line[1], host, text

@@ -469,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         if not line:  # dismissed before a plan was sent (see spawn.spawn_agent)
             return 0
         text = line.decode("utf-8", "surrogateescape")
+        if text.startswith(f'{{"{contract.RELAY_KEY}"'):  # a relay of the tree fan-out
+            from deepshard.launcher import relay
+
+            return relay.main(json.loads(text)[contract.RELAY_KEY], sys.stdout.buffer)
     node = read_node_plan(text)
     agent = Agent(node, sys.stdout.buffer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

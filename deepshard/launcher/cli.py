@@ -91,6 +91,10 @@ if TYPE_CHECKING:
               help="Python on remote hosts [default: this one's path].")
 @click.option("--ssh_connect_timeout", type=click.FloatRange(min=0.1), default=10.0,
               show_default=True, help="Seconds to reach each host before giving up.")
+@click.option("--fanout", type=click.IntRange(min=0), default=None, metavar="K",
+              help="ssh: contact K relay hosts, each of which starts and supervises its share "
+                   "of the others (a two-level tree); 0: contact every host from here "
+                   "[default: every host up to 64, then ceil(sqrt(hosts)) relays].")
 @click.option("--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Relaunch the whole job (fresh port, DEEPSHARD_RESTART_COUNT+1) up to N "
                    "times after a failure.")
@@ -321,6 +325,11 @@ def remote_backend(options: LaunchOptions, plan: LaunchPlan) -> Backend | None:
         users = " and ".join(name for name, s in BACKENDS.items() if s.takes_launcher_args)
         raise UsageError(f"--launcher_args is only used by --launcher {users}",
                          hint="drop --launcher_args, or add --launcher pdsh")
+    if options.fanout is not None and options.launcher != "ssh":
+        raise UsageError(f"--fanout is for --launcher ssh, not {options.launcher}",
+                         where="--fanout", hint=f"drop --fanout: {options.launcher} has its "
+                         "own fan-out" + (" (-f in --launcher_args)"
+                                          if options.launcher == "pdsh" else ""))
     remote = [n.host for n in plan.nodes if not n.local]
     if not remote:
         return None

@@ -265,10 +265,12 @@ class Coordinator:
     def _on_lost(self, agent: AgentHandle) -> None:
         """An agent's channel closed before it said it was done."""
         why = " | ".join(agent.diagnostics()[-3:])
-        failure = Failure(agent.node.host, None, None, f"lost the agent on {agent.node.host}"
+        host = agent.lost_with() or agent.node.host
+        failure = Failure(host, None, None, f"lost the agent on {host}"
                           + (f": {why}" if why else ""), lost=True)
         if not self._killed and not (self._stopping and agent.stop_ends_channel):
-            self.lost_hosts.append(agent.node.host)
+            if host not in self.lost_hosts:
+                self.lost_hosts.append(host)
             if self.failure is not None and not self.failure.lost and \
                     self.stop_signal is None and self.regrouped is None:
                 # a node's death fails the other nodes' workers too, often before its
@@ -290,10 +292,11 @@ class Coordinator:
             if agent.node.local or silent <= self.monitor_timeout:
                 continue
             self._last_heard[i] = now
-            self.lost_hosts.append(agent.node.host)
-            self._fail(Failure(agent.node.host, None, None, f"no word from the agent on "
-                               f"{agent.node.host} for {silent:.0f} s (host or network down?)",
-                               lost=True))
+            host = agent.lost_with() or agent.node.host
+            if host not in self.lost_hosts:
+                self.lost_hosts.append(host)
+            self._fail(Failure(host, None, None, f"no word from the agent on {host} for "
+                               f"{silent:.0f} s (host or network down?)", lost=True))
             self._killed = True  # pdsh's kill ends every host's channel
             agent.kill()  # nothing more will come; the agent stops itself (its lease)
 

@@ -32,6 +32,10 @@ class LaunchOptions:
     remote_python: str | None = None
     """The Python on remote hosts; by default the one running ds-run (same path)."""
     ssh_connect_timeout: float = 10.0
+    fanout: int | None = None
+    """Relays ds-run contacts over ssh, each starting its share of the hosts
+    (:mod:`.tree`); ``None``: flat up to 64 remote hosts, then ``ceil(sqrt(N))``; ``0``:
+    always flat."""
     hang_timeout: float | None = None
     """Seconds without a heartbeat after which a worker that has sent some is hung."""
     max_restarts: int = 0

@@ -39,8 +39,9 @@ class BackendSpec:
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "ssh": BackendSpec("deepshard.launcher.backends.ssh:SSHBackend",
-                       "paramiko, no external binary"),
+    "ssh": BackendSpec("deepshard.launcher.backends.tree:TreeBackend",
+                       "paramiko, no external binary; above 64 hosts through a tree of relays, "
+                       "see --fanout"),
     "pdsh": BackendSpec("deepshard.launcher.backends.pdsh:PdshBackend", "as DeepSpeed does",
                         takes_launcher_args=True),
     "slurm": BackendSpec("deepshard.launcher.backends.slurm:SlurmBackend",

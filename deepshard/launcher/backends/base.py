@@ -54,6 +54,11 @@ class AgentHandle(ABC):
         """What the agent printed outside the protocol (e.g. why it could not start)."""
         return []
 
+    def lost_with(self) -> str | None:
+        """The host whose loss silenced or closed this channel when it is not this node's
+        own (a relay of the tree fan-out that carried it); ``None``: the node's own."""
+        return None
+
 
 class Backend(ABC):
     """Starts agents on nodes. Subclasses set ``name`` and implement :meth:`start`; those

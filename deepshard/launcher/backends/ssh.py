@@ -55,6 +55,15 @@ class HostError(Exception):
         self.host, self.reason, self.hint = host, reason, hint
 
 
+def unreachable_error(failures: list[HostError], hosts: int) -> HostsUnreachable:
+    """The one error for every host of ``failures`` (out of ``hosts``) that cannot be reached."""
+    first = failures[0]
+    more = "".join(f"; {f.host}: {f.reason}" for f in failures[1:])
+    return HostsUnreachable(f"cannot reach {len(failures)} of {hosts} host(s): "
+                            f"{first.reason}{more}", where=first.host, hint=first.hint,
+                            hosts={f.host: f.reason for f in failures})
+
+
 def agent_command(node: NodePlan, python: str) -> str:
     """The remote shell command that becomes the agent."""
     return f"cd {shlex.quote(node.cwd)} && exec {shlex.join([python, *AGENT_ARGS])}"
@@ -161,11 +170,7 @@ class SSHBackend(Backend):
             if not isinstance(result, HostError):
                 self._clients[host] = result
         if failures:
-            first = failures[0]
-            more = "".join(f"; {f.host}: {f.reason}" for f in failures[1:])
-            raise HostsUnreachable(f"cannot reach {len(failures)} of {len(nodes)} host(s): "
-                                   f"{first.reason}{more}", where=first.host, hint=first.hint,
-                                   hosts={f.host: f.reason for f in failures})
+            raise unreachable_error(failures, len(nodes))
 
     def _connected(self, host: str) -> bool:
         client = self._clients.get(host)
@@ -174,6 +179,10 @@ class SSHBackend(Backend):
 
     def start(self, node: NodePlan) -> AgentHandle:
         return RemoteAgent(node, self._clients[node.host], self.python)
+
+    def client(self, host: str) -> Client:
+        """The open connection to ``host`` (after :meth:`prepare`)."""
+        return self._clients[host]
 
     def close(self) -> None:
         for client in [*self._clients.values(), *self._extra]:
@@ -187,6 +196,11 @@ class SSHBackend(Backend):
         self._extra.clear()
 
     # -- connecting --------------------------------------------------------------------------
+    def connect(self, target: SSHTarget) -> Client:
+        """An authenticated connection to ``target`` (through its jump hosts);
+        :class:`HostError` says why not and how to fix it."""
+        return self._connect(target, sock=None, jumps=None)
+
     def _try_connect(self, alias: str) -> Client | HostError:
         try:
             return self._connect(self.target(alias), sock=None, jumps=None)

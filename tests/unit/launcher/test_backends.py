@@ -3,6 +3,7 @@ the backends (the command lines that start agents)."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from deepshard.launcher.backends.mpi import (
 from deepshard.launcher.backends.pdsh import PdshBackend, pdsh_command
 from deepshard.launcher.backends.slurm import SlurmBackend, srun_command
 from deepshard.launcher.backends.ssh import SSHBackend, agent_command
+from deepshard.launcher.backends.tree import TreeBackend
 from deepshard.launcher.cli import ds_run, remote_backend, shown_commands
 from deepshard.launcher.options import LaunchOptions
 from deepshard.launcher.plan import LaunchPlan, NodePlan, WorkerPlan
@@ -41,7 +43,7 @@ ALLOC = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-02]"}
 # -- the registry ----------------------------------------------------------------------------
 
 def test_every_registered_backend_resolves_to_its_class():
-    expected = {"ssh": SSHBackend, "pdsh": PdshBackend, "slurm": SlurmBackend,
+    expected = {"ssh": TreeBackend, "pdsh": PdshBackend, "slurm": SlurmBackend,
                 "openmpi": OpenmpiBackend, "mpich": MpichBackend, "impi": ImpiBackend,
                 "mvapich": MvapichBackend, "local": LocalBackend}
     assert set(BACKENDS) == set(expected)
@@ -90,7 +92,9 @@ def test_from_options_carries_the_flags():
     assert (slurm.python, slurm.launcher_args) == ("/opt/py", "-x")
     pdsh = get_backend("pdsh").from_options(options)
     assert isinstance(pdsh, PdshBackend) and pdsh.launcher_args == "-x"
-    ssh = get_backend("ssh").from_options(options)
+    tree = get_backend("ssh").from_options(dataclasses.replace(options, fanout=4))
+    assert isinstance(tree, TreeBackend) and tree.fanout == 4
+    ssh = tree.ssh
     assert isinstance(ssh, SSHBackend)
     assert (ssh.ssh_port, ssh.python, ssh.connect_timeout) == (2222, "/opt/py", 3.0)
 
