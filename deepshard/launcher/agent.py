@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         if text.startswith(f'{{"{contract.RELAY_KEY}"'):  # a relay of the tree fan-out
             from deepshard.launcher import relay
 
-            return relay.main(json.loads(text)[contract.RELAY_KEY], sys.stdout.buffer)
+            return relay.main(json.loads(text)[contract.RELAY_KEY], sys.stdout.buffer, Agent,
+                              read_node_plan)
     node = read_node_plan(text)
     agent = Agent(node, sys.stdout.buffer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

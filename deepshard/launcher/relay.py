@@ -29,20 +29,27 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from deepshard import contract
-from deepshard.launcher.agent import Agent, read_node_plan
 from deepshard.launcher.backends.ssh import HostError, SSHBackend, agent_command
 from deepshard.launcher.ssh_config import SSHTarget
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
 END_MARGIN = 10.0
 """Seconds beyond the stop grace a relay waits for a stopped child's session to end."""
+
+
+class NodeAgent(Protocol):
+    """What the relay needs of the agent that runs its own workers (:class:`.agent.Agent`,
+    handed in by :func:`.agent.main`, which imports this module)."""
+
+    def run(self) -> int: ...
+    def renew_lease(self) -> None: ...
+    def request_stop(self, reason: str) -> None: ...
+    def stop_now(self) -> None: ...
 
 
 class Upward:
@@ -146,14 +153,17 @@ class Child:
 class Relay:
     """Runs one relay (see the module docstring); :meth:`run` returns its exit code."""
 
-    def __init__(self, payload: dict[str, Any], out: BinaryIO):
-        self.node = read_node_plan(payload["node"])
+    def __init__(self, payload: dict[str, Any], out: BinaryIO,
+                 make_agent: Callable[[Any, BinaryIO], NodeAgent],
+                 read_plan: Callable[[str], Any]):
+        self._read_plan = read_plan
+        self.node = read_plan(payload["node"])
         self._children_specs: list[dict[str, Any]] = payload["children"]
         self._python: str = payload["python"]
         self._ssh = SSHBackend(connect_timeout=float(payload["connect_timeout"]),
                                config_path=Path(os.devnull))
         self.up = Upward(out)
-        self.agent = Agent(self.node, self.up)  # type: ignore[arg-type]
+        self.agent = make_agent(self.node, self.up)  # type: ignore[arg-type]
         self._clients: dict[str, Any] = {}
         self.children: dict[str, Child] = {}
         self._go = threading.Event()
@@ -236,7 +246,7 @@ class Relay:
                 return 0
             specs = {s["target"]["alias"]: s["plan"] for s in self._children_specs}
             for host, client in self._clients.items():
-                command = agent_command(read_node_plan(specs[host]), self._python)
+                command = agent_command(self._read_plan(specs[host]), self._python)
                 self.children[host] = Child(host, client, command, specs[host], self.up)
             threading.Thread(target=self._keep_alive, daemon=True, name="pings").start()
             code = self.agent.run()
@@ -259,11 +269,14 @@ class Relay:
             child.ended.wait(max(0.0, deadline - time.monotonic()))
 
 
-def main(payload: dict[str, Any], out: BinaryIO) -> int:
-    """Run a relay whose payload (``{"relay": ...}``'s value) came on stdin."""
+def main(payload: dict[str, Any], out: BinaryIO,
+         make_agent: Callable[[Any, BinaryIO], NodeAgent], read_plan: Callable[[str], Any]
+         ) -> int:
+    """Run a relay whose payload (``{"relay": ...}``'s value) came on stdin; its own workers
+    run in ``make_agent(plan, out)``, plans are read by ``read_plan``."""
     import signal
 
-    relay = Relay(payload, out)
+    relay = Relay(payload, out, make_agent, read_plan)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: relay.stop_everything(
             signal.Signals(signum).name))
