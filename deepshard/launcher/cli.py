@@ -48,6 +48,7 @@ from deepshard.launcher.spawn import DEFAULT_HOSTFILE
 from deepshard.launcher.straggler import StragglerPolicy
 from deepshard.launcher.summary import JobRecord, check_summary_path, write_summary
 from deepshard.launcher.supervisor import Outcome, supervise
+from deepshard.launcher.tree import plan_tree, relay_count, tree_note
 
 if TYPE_CHECKING:
     import subprocess
@@ -403,6 +404,10 @@ def make_plan(options: LaunchOptions, *, run_id: str, restart_count: int = 0,
     master_addr = options.master_addr or rendezvous_address(placement.nodes[0].host,
                                                             locality, options)
     master_port = options.master_port or free_port(master_addr)
+    if options.launcher == "ssh":
+        remote = tuple(n.host for n in placement.nodes if not locality[n.host])
+        if relays := relay_count(len(remote), options.fanout):
+            notes.append(tree_note(plan_tree(remote, relays)))
     return build_plan(
         options, placement, env_file.as_dict(), python=sys.executable, cwd=os.getcwd(),
         master_addr=master_addr, master_port=master_port,

@@ -99,19 +99,27 @@ class Upward:
 
 
 class Child:
-    """One child host's agent, on one SSH session of the relay's connection to it."""
+    """One child host's agent, on one SSH session of the relay's connection to it.
 
-    def __init__(self, host: str, client: Any, command: str, plan: str, up: Upward):
+    The agent process starts at once and waits for its plan (sent by :meth:`begin` on
+    ``go``): its interpreter starts while ds-run waits for the other relays. Dismissed
+    before its plan (the session closed), it exits having started nothing.
+    """
+
+    def __init__(self, host: str, client: Any, command: str, up: Upward):
         self.host = host
         self._up = up
         self._client = client
         self._chan = client.get_transport().open_session()
         self._chan.exec_command(command)
-        self._chan.sendall(plan.encode("utf-8", "surrogateescape") + b"\n")
         self._lock = threading.Lock()  # paramiko sends from several threads otherwise
         self.ended = threading.Event()
         threading.Thread(target=self._stderr, daemon=True, name=f"stderr-{host}").start()
         threading.Thread(target=self._stdout, daemon=True, name=f"stdout-{host}").start()
+
+    def begin(self, plan: str) -> None:
+        """Send the agent its plan: it starts its workers."""
+        self._send(lambda: self._chan.sendall(plan.encode("utf-8", "surrogateescape") + b"\n"))
 
     def _stdout(self) -> None:
         with contextlib.suppress(Exception):
@@ -164,7 +172,6 @@ class Relay:
                                config_path=Path(os.devnull))
         self.up = Upward(out)
         self.agent = make_agent(self.node, self.up)  # type: ignore[arg-type]
-        self._clients: dict[str, Any] = {}
         self.children: dict[str, Child] = {}
         self._go = threading.Event()
         self._stopped = threading.Event()
@@ -178,9 +185,11 @@ class Relay:
                                       for k, v in spec["target"].items()}
             target = SSHTarget(**fields)
             try:
-                return target.alias, self._ssh.connect(target)
+                client = self._ssh.connect(target)
             except HostError as exc:
                 return target.alias, exc
+            command = agent_command(self._read_plan(spec["plan"]), self._python)
+            return target.alias, Child(target.alias, client, command, self.up)
 
         unreachable: dict[str, list[str]] = {}
         specs = self._children_specs
@@ -189,7 +198,7 @@ class Relay:
                 if isinstance(result, HostError):
                     unreachable[host] = [result.reason, result.hint]
                 else:
-                    self._clients[host] = result
+                    self.children[host] = result
         self.up.put(contract.encode_relayed(contract.RELAY_REACH, self.node.host,
                                             json.dumps({"unreachable": unreachable})))
         return unreachable
@@ -245,9 +254,8 @@ class Relay:
             if self._stopped.is_set():
                 return 0
             specs = {s["target"]["alias"]: s["plan"] for s in self._children_specs}
-            for host, client in self._clients.items():
-                command = agent_command(self._read_plan(specs[host]), self._python)
-                self.children[host] = Child(host, client, command, specs[host], self.up)
+            for host, child in self.children.items():
+                child.begin(specs[host])
             threading.Thread(target=self._keep_alive, daemon=True, name="pings").start()
             code = self.agent.run()
             self._wait_children()

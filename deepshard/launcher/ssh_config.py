@@ -53,12 +53,32 @@ def load_config_text(path: Path | None = None) -> str:
         raise UsageError(f"cannot read ssh config ({exc})", where=str(path)) from None
 
 
-def resolve_target(alias: str, config_text: str, *, port_override: int | None = None,
-                   default_user: str | None = None) -> SSHTarget:
-    """Resolve ``alias`` through the config; ``port_override`` is ``--ssh_port``."""
-    paramiko = import_paramiko()
+def parse_config(config_text: str) -> Any:
+    """The parsed config (a ``paramiko.SSHConfig``): parse once, look up every host in it
+    (parsing a config of N ``Host`` blocks for each of N hosts costs seconds at 128)."""
+    base: Any = import_paramiko().SSHConfig
+
+    class Config(base):
+        # paramiko asks getpass.getuser() (a passwd lookup where $USER is unset) for every
+        # Host block of every lookup, Match or not: O(hosts^2) lookups, seconds at 128
+        # hosts. Without Match criteria the answer is "no match" in any case.
+        def _does_match(self, match_list: list[Any], *args: Any) -> Any:
+            return [] if not match_list else super()._does_match(match_list, *args)
+
     try:
-        conf = paramiko.SSHConfig.from_text(config_text).lookup(alias)
+        return Config.from_text(config_text)
+    except Exception as exc:  # paramiko raises several types on a malformed file
+        raise UsageError(f"cannot parse ssh config ({exc})", where=str(default_config_path()),
+                         hint="check the file with `ssh -G <host>`") from None
+
+
+def resolve_target(alias: str, config: str | Any, *, port_override: int | None = None,
+                   default_user: str | None = None) -> SSHTarget:
+    """Resolve ``alias`` through the config (its text, or :func:`parse_config`'s result);
+    ``port_override`` is ``--ssh_port``."""
+    parsed = parse_config(config) if isinstance(config, str) else config
+    try:
+        conf = parsed.lookup(alias)
     except Exception as exc:  # paramiko raises several types on a malformed file
         raise UsageError(f"cannot parse ssh config ({exc})", where=str(default_config_path()),
                          hint="check the file with `ssh -G <host>`") from None

@@ -50,3 +50,12 @@ def plan_tree(hosts: tuple[str, ...], relays: int) -> tuple[Share, ...]:
         shares.append(Share(hosts[start], hosts[start + 1:end]))
         start = end
     return tuple(shares)
+
+
+def tree_note(shares: tuple[Share, ...]) -> str:
+    """What ``--dry_run`` says of the tree."""
+    sizes = sorted({len(s.children) for s in shares})
+    each = "-".join(map(str, (sizes[0], sizes[-1]) if len(sizes) > 1 else sizes))
+    return (f"ssh through {len(shares)} relay(s), each starting {each} other host(s): "
+            + ", ".join(s.relay for s in shares) + " (--fanout; a host reached through "
+            "ProxyJump makes it flat)")

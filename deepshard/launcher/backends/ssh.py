@@ -32,6 +32,7 @@ from deepshard.launcher.ssh_config import (
     SSHTarget,
     import_paramiko,
     load_config_text,
+    parse_config,
     parse_jump,
     resolve_target,
 )
@@ -146,6 +147,7 @@ class SSHBackend(Backend):
         self.python = remote_python or sys.executable
         self.connect_timeout = connect_timeout
         self._config_text = load_config_text(config_path)
+        self._parsed: Any = None
         self._clients: dict[str, Client] = {}
         self._extra: list[Client] = []  # jump-host clients, closed last
 
@@ -155,7 +157,9 @@ class SSHBackend(Backend):
                    connect_timeout=options.ssh_connect_timeout)
 
     def target(self, alias: str) -> SSHTarget:
-        return resolve_target(alias, self._config_text, port_override=self.ssh_port)
+        if self._parsed is None:
+            self._parsed = parse_config(self._config_text)
+        return resolve_target(alias, self._parsed, port_override=self.ssh_port)
 
     def prepare(self, nodes: tuple[NodePlan, ...]) -> None:
         """Connect to every host in parallel; raise one UsageError naming every failure.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import queue
 import sys
@@ -272,7 +271,7 @@ class TreeBackend(Backend):
         self.ssh.prepare(tuple(by_host[s.relay] for s in shares))
         sessions = [RelaySession(
             self.ssh.client(s.relay), self.ssh.python, by_host[s.relay],
-            [(by_host[c], dataclasses.asdict(targets[c])) for c in s.children],
+            [(by_host[c], dict(vars(targets[c]))) for c in s.children],
             self.ssh.connect_timeout) for s in shares]
         failures = self._reached(sessions)
         if failures:

@@ -12,7 +12,7 @@ from deepshard.errors import UsageError
 from deepshard.launcher.cli import remote_backend
 from deepshard.launcher.options import LaunchOptions
 from deepshard.launcher.plan import LaunchPlan, NodePlan
-from deepshard.launcher.tree import TREE_ABOVE, Share, plan_tree, relay_count
+from deepshard.launcher.tree import TREE_ABOVE, Share, plan_tree, relay_count, tree_note
 
 
 def test_flat_up_to_the_threshold_then_sqrt_relays():
@@ -60,3 +60,10 @@ def test_fanout_is_refused_for_launchers_with_their_own():
     options = LaunchOptions(user_script="t.py", launcher="pdsh", fanout=4)
     with pytest.raises(UsageError, match="--fanout is for --launcher ssh, not pdsh"):
         remote_backend(options, plan)
+
+
+def test_the_dry_run_names_the_relays():
+    hosts = tuple(f"h{i}" for i in range(7))
+    assert tree_note(plan_tree(hosts, 3)) == (
+        "ssh through 3 relay(s), each starting 1-2 other host(s): h0, h3, h5 (--fanout; a "
+        "host reached through ProxyJump makes it flat)")
