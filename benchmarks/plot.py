@@ -4,7 +4,7 @@ Each benchmark writes ``benchmarks/results/<name>.json`` (``benchmarks/record.py
 script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800 px wide):
 
     zero.png     step time and peak RSS per rank by ZeRO stage beside DDP, FSDP2, DeepSpeed
-    fanout.png   ds-run's ssh fan-out beside pdsh by host count
+    fanout.png   ds-run's ssh fan-out (flat, tree) beside pdsh and mpirun by host count
     bubble.png   the pipeline bubble measured beside the theory and the 1F1B simulator, by m
     launch.png   launch overhead of ds-run beside torchrun, DeepSpeed and plain python
     elastic.png  seconds from a node's death / return to steps again, ds-run beside torchrun
@@ -186,31 +186,47 @@ def plot_zero(data: dict):
 
 # ---------------------------------------------------------------- fanout.png
 
+FANOUT_SERIES = (("flat", "ds-run ssh, flat (--fanout 0)", "o-", COLORS["deepshard"]),
+                 ("tree", "ds-run ssh, tree (ceil(sqrt(N)) relays)", "D-", "#17becf"),
+                 ("pdsh", "pdsh -R ssh -f 256", "s--", "#2ca02c"),
+                 ("mpirun", "Open MPI mpirun (ssh)", "^:", "#9467bd"))
+
+
 def plot_fanout(data: dict):
-    """Wall time of the trivial job against the host count (log x), ds-run beside pdsh,
-    with the ratio ds-run / pdsh written at each count."""
+    """Left: wall time of the trivial job by host count (log-log), the four launchers.
+    Right: the coordinator's own CPU seconds, measured, and the fitted model projected to
+    4,096 hosts (dashed)."""
     rows = sorted(data["rows"], key=lambda r: r["hosts"])
     if not rows:
         raise PlotError("no rows")
-    fig, ax = _figure(4.4)
+    import matplotlib.pyplot as plt
+
+    fig, (wall, cpu) = plt.subplots(1, 2, figsize=(WIDTH_IN, 4.2), dpi=DPI)
     hosts = [r["hosts"] for r in rows]
-    ax.plot(hosts, [r["ds_run_s"] for r in rows], "o-", color=COLORS["deepshard"],
-            label="ds-run (ssh backend, one agent per host)")
-    ax.plot(hosts, [r["pdsh_s"] for r in rows], "s--", color="#2ca02c",
-            label="pdsh -R ssh (worker started directly)")
-    for r in rows:
-        ax.annotate(f"{r['ds_run_over_pdsh']:.2f}x", (r["hosts"], max(r["ds_run_s"], r["pdsh_s"])),
-                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8,
-                    color=COLORS["deepshard"])
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(hosts, [str(h) for h in hosts])
-    ax.set_xlabel("hosts (network namespaces with their own sshd, one worker each)")
-    ax.set_ylabel("wall time of a trivial job (s, median)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"SSH fan-out: median of {data['settings']['rounds']} alternating rounds "
-                 "(labels: ds-run / pdsh)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    for key, label, style, color in FANOUT_SERIES:
+        wall.plot(hosts, [r[f"{key}_s"] for r in rows], style, color=color, label=label)
+        cpu.plot(hosts, [r[f"{key}_cpu_s"] for r in rows], style, color=color)
+    model = data["settings"].get("cpu_model")
+    if model:
+        import math
+
+        far = [h for h in (128, 256, 512, 1024, 2048, 4096) if h >= hosts[-1]]
+        a, b = model["flat"]
+        ta, tb, tc = model["tree"]
+        cpu.plot(far, [a + b * n for n in far], "--", color=COLORS["deepshard"], alpha=0.6)
+        cpu.plot(far, [ta + tb * math.ceil(math.sqrt(n)) + tc * n for n in far], "--",
+                 color="#17becf", alpha=0.6, label="model, projected")
+        cpu.legend(fontsize=7, loc="upper left")
+    for ax, title, ylabel in (
+            (wall, "wall time, start to every worker back", "seconds (median)"),
+            (cpu, "the coordinator's own CPU", "CPU seconds (median)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("hosts (namespaces with their own sshd, one worker each)", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    wall.legend(fontsize=7, loc="upper left")
     _layout(fig)
     return fig
 

@@ -30,7 +30,7 @@ import zero_compile
 from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-HEIGHTS = {"zero": 660, "fanout": 440, "bubble": 620, "launch": 340, "elastic": 440,
+HEIGHTS = {"zero": 660, "fanout": 420, "bubble": 620, "launch": 340, "elastic": 440,
            "moe": 740, "long_seq": 640, "data_efficiency": 460, "zero_compile": 740,
            "inference": 800}
 """Each plot's expected size in pixels: 800 wide, this high."""
@@ -95,10 +95,16 @@ def parallel_record() -> dict:
 
 
 def fanout_record() -> dict:
-    rows = [fanout.row(n, {"ds-run": [0.5 + n / 20, 0.6 + n / 20], "pdsh": [0.3 + n / 10] * 2})
-            for n in (1, 4, 16, 32)]
-    return record.Run("fanout", {"rounds": 2, "hosts": [1, 4, 16, 32]}).to_dict(
-        rows, fanout.table(rows))
+    def walls(n: int) -> dict[str, list[float]]:
+        return {m: [0.5 + n / (10 + i), 0.6 + n / (10 + i)] for i, m in enumerate(fanout.MODES)}
+
+    rows = [fanout.row(n, walls(n), {m: [t / 3 for t in v] for m, v in walls(n).items()})
+            for n in (8, 32, 64, 128)]
+    model = fanout.fit(rows)
+    projected = [fanout.project(model, n) for n in fanout.PROJECT]
+    run = record.Run("fanout", {"rounds": 2, "hosts": [8, 32, 64, 128], "cpu_model": model,
+                                "projected": projected})
+    return run.to_dict(rows, fanout.table(rows, projected))
 
 
 def launch_record() -> dict:
