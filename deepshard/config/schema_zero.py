@@ -9,6 +9,7 @@ from pydantic import AliasChoices, ValidationInfo, model_validator
 
 from deepshard.config.schema_base import (
     Bool,
+    Int,
     KeyLog,
     NonNegInt,
     PosInt,
@@ -91,13 +92,12 @@ class ZeroConfig(Section):
         "stage3_module_granularity_threshold", "module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
         "stage3_allgather_sequential", "allgather_sequential", "ignore_unused_parameters",
-        "legacy_stage1", "parameter_alignment", "zero_hpz_partition_size",
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-        "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint",
+        "legacy_stage1", "parameter_alignment", "memory_efficient_linear",
+        "pipeline_loading_checkpoint",
         "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
         "save_muon_momentum_buffer_in_memory", "leaf_module",
         # removed in DeepSpeed 0.19 (rejected there), known to earlier versions
-        "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param",
+        "zeropp_loco_param",
     })
 
     stage: Literal[0, 1, 2, 3] = doc("ZeRO stage: 0 off, 1 optimizer state sharded, 2 "
@@ -144,6 +144,26 @@ class ZeroConfig(Section):
                                 "gather_16bit_weights_on_model_save",
                                 "stage3_gather_fp16_weights_on_model_save"))
 
+    zero_hpz_partition_size: PosInt = doc(
+        "Stage 3 (ZeRO++ hpZ): also keep each parameter sharded over groups of this many "
+        "consecutive ranks (a node), and gather from that copy in backward; 1: off.",
+        default=1)
+    zero_quantized_weights: Bool = doc(
+        "ZeRO++ qwZ (int8 weight all-gather): not built yet, refused when true.",
+        default=False)
+    zero_quantized_nontrainable_weights: Bool = doc(
+        "ZeRO++: frozen weights stored quantized: not built yet, refused when true.",
+        default=False)
+    zero_quantized_gradients: Bool = doc(
+        "ZeRO++ qgZ (quantized gradient reduction): not built yet, refused when true.",
+        default=False)
+    mics_shard_size: Int = doc(
+        "Stage 3 (MiCS): shard over groups of this many consecutive ranks, replicated "
+        "across the groups; -1: off (DeepSpeed 0.19 removed MiCS).", default=-1)
+    mics_hierarchical_params_gather: Bool = doc(
+        "MiCS's two-level parameter gather: not built yet, refused when true.",
+        default=False)
+
     @classmethod
     def coerce(cls, data: Any, log: KeyLog) -> Any:
         # DeepSpeed's oldest form, "zero_optimization": true, means stage 1
@@ -168,6 +188,29 @@ class ZeroConfig(Section):
                        f"partial optimizer offload (ratio {offload.ratio}) needs ZeRO stage 3, "
                        f"got stage {self.stage}",
                        "set ratio to 1.0, or zero_optimization.stage to 3")
+        return self
+
+    @model_validator(mode="after")
+    def _zeropp_as_far_as_built(self, info: ValidationInfo) -> ZeroConfig:
+        log = key_log(info) or KeyLog()
+        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                    "zero_quantized_gradients", "mics_hierarchical_params_gather"):
+            if getattr(self, key):
+                raise fail(log, key, f"{key} changes the arithmetic of the step and "
+                           "deepshard does not implement it yet",
+                           f"drop {key} (plain ZeRO-3, or zero_hpz_partition_size for less "
+                           "traffic across nodes, is exact)")
+        for key, value, off in (("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
+                                ("mics_shard_size", self.mics_shard_size, -1)):
+            if value != off and self.stage != 3:
+                raise fail(log, key, f"{key} {value} needs ZeRO stage 3, got stage "
+                           f"{self.stage}", f"set zero_optimization.stage to 3, or drop {key}")
+        if self.mics_shard_size == 0 or self.mics_shard_size < -1:
+            raise fail(log, "mics_shard_size", f"mics_shard_size {self.mics_shard_size} is "
+                       "not a group size", "give a number of ranks, or -1 for off")
+        if self.mics_shard_size != -1 and self.zero_hpz_partition_size != 1:
+            raise fail(log, "mics_shard_size", "MiCS with hpZ is not supported",
+                       "keep one of mics_shard_size and zero_hpz_partition_size")
         return self
 
 

@@ -7,6 +7,8 @@ the consolidated fp32 weights with ``reference`` (one process, the whole global 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -224,6 +226,64 @@ def test_uneven_gradients_and_reentrant_recompute_match_stage_0(tmp_path, stage,
     for r in range(2):
         torch.testing.assert_close(got[r]["losses"], base[r]["losses"], rtol=2e-6, atol=0)
         assert abs(got[r]["checksum"] - base[r]["checksum"]) < 1e-3
+
+
+def test_hpz_gathers_backward_inside_the_node_and_trains_bit_for_bit(tmp_path):
+    """ZeRO++ hpZ on 4 ranks in groups of 2: backward's gathers come from the node-local
+    copy (each rank's group is its pair), and the run equals plain ZeRO-3 exactly, also
+    with activation recompute (a forward inside backward)."""
+    plain = _probe(tmp_path, 4, 3, "--reentrant", steps=3)
+    hpz = _probe(tmp_path, 4, 3, "--reentrant", steps=3, zero_hpz_partition_size=2)
+    for r in range(4):
+        assert hpz[r]["losses"] == plain[r]["losses"]
+        assert hpz[r]["checksum"] == plain[r]["checksum"]
+        assert plain[r]["secondary_gathers"] == 0 and hpz[r]["secondary_gathers"] > 0
+        assert hpz[r]["hpz_ranks"] == ([[0, 1]] if r < 2 else [[2, 3]])
+
+
+def test_mics_shards_in_pairs_and_trains_like_plain_zero3(tmp_path):
+    """MiCS on 4 ranks, shard groups of 2 replicated twice: each rank holds half the state
+    (not a quarter), and the run follows plain ZeRO-3 (the sums only change order)."""
+    plain = _probe(tmp_path, 4, 3, steps=3)
+    mics = _probe(tmp_path, 4, 3, steps=3, mics_shard_size=2)
+    for r in range(4):
+        torch.testing.assert_close(mics[r]["losses"], plain[r]["losses"], rtol=2e-6, atol=0)
+        assert abs(mics[r]["checksum"] - plain[r]["checksum"]) < 1e-3
+        held = {k: mics[r]["state_bytes"][k] for k in ("grads", "optimizer")}
+        quarter = {k: plain[r]["state_bytes"][k] for k in ("grads", "optimizer")}
+        for key in held:  # twice the plain shards, to their padding
+            assert abs(held[key] - 2 * quarter[key]) <= 0.01 * held[key], key
+
+
+def test_mics_checkpoints_resume_exactly_and_reshard(tmp_path):
+    """A MiCS run saved at step 3 resumes bit for bit under MiCS, and loads into plain
+    ZeRO-3 on 2 ranks, whose curve goes on as the one-process reference's."""
+    mics = {**zero_section(3, "none", tmp_path), "mics_shard_size": 2}
+    whole = train(tmp_path, 4, 2, 1, mics, 6, tmp_path / "a", save_interval=3)
+    train(tmp_path, 4, 2, 1, mics, 3, tmp_path / "b", save_interval=3)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed = train(tmp_path, 4, 2, 1, mics, 6, tmp_path / "b", save_interval=3)
+    assert {s: whole[s] for s in (4, 5, 6)} == resumed
+    plain = train(tmp_path, 2, 4, 1, zero_section(3, "none", tmp_path), 6, tmp_path / "c",
+                  save_interval=6)
+    assert sorted(plain) == [4, 5, 6]
+    curve = [float({**whole, **plain}[s]) if s > 3 else float(whole[s]) for s in range(1, 7)]
+    want, want_state = reference(6, 8)
+    torch.testing.assert_close(curve, want, rtol=2e-5, atol=0)
+    assert_weights_close(deepshard.get_fp32_state_dict(tmp_path / "c"), want_state,
+                         rtol=1e-5)
+    assert_weights_close(deepshard.get_fp32_state_dict(tmp_path / "a"), want_state,
+                         rtol=1e-5)
+
+
+def test_hpz_that_does_not_divide_the_world_is_one_line(tmp_path):
+    cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
+                       zero_optimization={"stage": 3, "zero_hpz_partition_size": 3})
+    result = run_ds("--num_gpus", "2", ZPROBE, "train", cfg, "1", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "zero_optimization.zero_hpz_partition_size" in result.stderr
+    assert "does not divide the data-parallel world of 2" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_lamb_on_zero_is_a_usage_error(tmp_path):

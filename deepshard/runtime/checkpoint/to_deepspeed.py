@@ -87,6 +87,8 @@ def check(engine) -> None:
         said = "a pipeline / tensor-parallel job"
     elif type(strategy) not in (Stage0Strategy, ZeroStrategy):  # not their subclasses
         said = f"a job with {type(strategy).__name__} (MoE, 1-bit optimizers)"
+    elif getattr(strategy, "replicas", None) is not None:
+        said = "a MiCS job (mics_shard_size)"
     elif engine.loss_scaler is not None and getattr(engine.loss_scaler, "dynamic", False):
         said = "an fp16 job (its dynamic loss scale)"
     elif _dtype(engine) == torch.float16:

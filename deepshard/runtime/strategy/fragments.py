@@ -52,7 +52,7 @@ def zero_full(strategy, param: torch.Tensor, what: str, optimizer=None,
         shard = state.get(key)
         if not torch.is_tensor(shard) or shard.dim() == 0:
             return shard
-    whole = _gather(shard.detach(), strategy.group, strategy.world)
+    whole = _gather(shard.detach(), strategy.shard_group, strategy.shard_world)
     return whole[off:off + n].float().view(getattr(param, "ds_shape", None) or param.shape)
 
 

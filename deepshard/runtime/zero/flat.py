@@ -28,6 +28,7 @@ from deepshard.comm import collectives as comm
 from deepshard.runtime.zero.init import adopt
 from deepshard.runtime.zero.partition import FlatLayout, ShardSpec
 from deepshard.runtime.zero.status import ZeroParamStatus
+from deepshard.runtime.zero.subgroups import SubGroup
 from deepshard.runtime.zero.swap import TensorSwapper
 
 
@@ -39,7 +40,7 @@ class FlatGroup:
                  flat: FlatLayout, world: int, rank: int, pg: dist.ProcessGroup | None,
                  partitioned: bool, shard_device: torch.device | None = None,
                  pin_memory: bool = False, swapper: TensorSwapper | None = None,
-                 key: str = ""):
+                 key: str = "", hpz: SubGroup | None = None):
         self.params = list(params)
         self.names = tuple(names)
         self.flat = flat
@@ -50,6 +51,15 @@ class FlatGroup:
         self.device = self.params[0].device
         self.lo, self.hi = self.spec.bounds(rank)
         self.full: torch.Tensor | None = None
+        # ZeRO++ hpZ: after a gather over the whole group, this rank keeps its slice of a
+        # second partition over ``hpz`` (a node); backward gathers from those instead
+        self.hpz = hpz if partitioned and hpz is not None and hpz.size > 1 else None
+        self.secondary: torch.Tensor | None = None
+        self.secondary_gathers = 0
+        """Gathers served from the secondary partition (backward's, under hpZ)."""
+        if self.hpz is not None:
+            self.hp_lo, self.hp_hi = ShardSpec(self.spec.padded, self.hpz.size).bounds(
+                self.hpz.rank)
         self.swapper, self.key = (swapper, key) if partitioned else (None, "")
         self.shard_device = shard_device if partitioned and shard_device else self.device
         self.on_modified: Callable[[], None] | None = None
@@ -108,6 +118,13 @@ class FlatGroup:
             if self.spec.world == 1:
                 self.full.copy_(src)
                 self.attach()
+            elif self.secondary is not None and torch._C._current_graph_task_id() != -1:
+                # in backward: from the node-local copy (the same values, exactly)
+                self.secondary_gathers += 1
+                assert self.hpz is not None
+                self._work = comm.all_gather_into_tensor(self.full, self.secondary,
+                                                         group=self.hpz.pg, async_op=True)
+                self._set_status(ZeroParamStatus.INFLIGHT)
             else:
                 self._work = comm.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)
@@ -122,6 +139,13 @@ class FlatGroup:
             self._work = None
             self.attach()
             self._lodge_shard()
+            if self.hpz is not None and self.secondary is None:
+                self.secondary = cast(torch.Tensor, self.full)[self.hp_lo:self.hp_hi].clone()
+
+    def drop_secondary(self) -> None:
+        """The shard changed (a step, a load, a write): hpZ's copy is stale until the next
+        gather over the whole group makes it again."""
+        self.secondary = None
 
     def _lodge_shard(self) -> None:
         """While gathered, the shard lives in its slice of the full buffer (which holds the
@@ -220,6 +244,7 @@ class FlatGroup:
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Replace this rank's shard with ``values`` (cast to the group's dtype)."""
+        self.drop_secondary()
         if self.swapper is None:
             with torch.no_grad():
                 self.shard.copy_(values)
@@ -231,6 +256,7 @@ class FlatGroup:
 
     def write_shard_piece(self, where: slice, values: torch.Tensor) -> None:
         """Overwrite ``shard[where]`` with ``values`` (cast to the group's dtype)."""
+        self.drop_secondary()
         if self.swapper is None:
             with torch.no_grad():
                 self.shard[where].copy_(values)
@@ -257,4 +283,5 @@ class FlatGroup:
         size = self._empty.element_size()
         if self.swapper is not None:
             return 0
-        return (self.spec.shard if self.partitioned else self.spec.padded) * size
+        held = self.spec.shard if self.partitioned else self.spec.padded
+        return (held + (self.secondary.numel() if self.secondary is not None else 0)) * size

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -33,6 +33,7 @@ from deepshard.runtime.zero.spec import ZeroSpec
 from deepshard.runtime.zero.stage1 import Stage1Grads
 from deepshard.runtime.zero.stage2 import Stage2Grads
 from deepshard.runtime.zero.stage3 import ParamCoordinator, Unit, plan_units
+from deepshard.runtime.zero.subgroups import SubGroup, check_size, make_subgroup
 from deepshard.runtime.zero.swap import TensorSwapper
 
 if TYPE_CHECKING:
@@ -56,6 +57,20 @@ class ZeroStrategy(DataParallelStrategy):
     frozen_bytes: int  # frozen parameters kept whole (stages 1-2; small ones at stage 3)
     param_swapper: TensorSwapper | None = None
     frozen_groups: list[FlatGroup] = field(default_factory=list)  # stage 3: partitioned
+    shards: SubGroup | None = None
+    """MiCS: the group the state is sharded over (``None``: the whole ``group``)."""
+    replicas: SubGroup | None = None
+    """MiCS: the ranks holding the same shards as this one, whose gradients are summed."""
+    _replicas_summed: bool = False
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The group the shards are spread over (the data-parallel group but under MiCS)."""
+        return self.shards.pg if self.shards is not None else self.group
+
+    @property
+    def shard_world(self) -> int:
+        return self.shards.size if self.shards is not None else self.world
 
     @property
     def partitions_params(self) -> bool:
@@ -68,6 +83,7 @@ class ZeroStrategy(DataParallelStrategy):
 
     # -- backward ---------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
+        self._replicas_summed = False
         self.grads.begin_backward(boundary)
 
     def begin_passive(self) -> None:
@@ -94,11 +110,21 @@ class ZeroStrategy(DataParallelStrategy):
     def unscaled_grads(self, inv_scale: float) -> list[torch.Tensor]:
         if self.grads.unreduced:
             self.grads.reduce_all()
+        if self.replicas is not None and not self._replicas_summed:
+            # MiCS: each shard group reduced its own ranks' gradients; the replicas of a
+            # shard add theirs up, once per step
+            works = [comm.all_reduce(g, group=self.replicas.pg, async_op=True)
+                     for g in self.grads.shard_grads() if g.numel()]
+            for work in works:
+                work.wait()
+            self._replicas_summed = True
         return self.stepper.load_grads(self.grads.shard_grads(), inv_scale)
 
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.stepper.step(optimizer)
         self.stepper.update_model()
+        for g in self.groups:
+            g.drop_secondary()
 
     def zero_grad(self) -> None:
         self.grads.zero()
@@ -113,8 +139,8 @@ class ZeroStrategy(DataParallelStrategy):
         return out
 
     def sum_over_data_parallel_(self, square_norm: torch.Tensor) -> None:
-        if self.world > 1:
-            comm.all_reduce(square_norm, group=self.group)
+        if self.shard_world > 1:  # MiCS: the replicas hold the same shards, counted once
+            comm.all_reduce(square_norm, group=self.shard_group)
 
     def step_tensors(self, opt_group: int) -> list[torch.Tensor]:
         """What the optimizer steps for one of its param groups."""
@@ -219,7 +245,17 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
         unit_members = [[index[n] for n in members] for members in units_plan.params]
     plans = plan_groups([numel_of(p) for p in params], [p.dtype for p in params],
                         opt_members, cap, unit_members, spec.persistence_threshold)
-    make = _GroupMaker.from_spec(spec, world, rank, pg)
+    shards = replicas = None
+    if 0 < spec.mics_shard_size < world:
+        check_size("mics_shard_size", spec.mics_shard_size, world)
+        shards = make_subgroup(pg, world, rank, spec.mics_shard_size)
+        replicas = make_subgroup(pg, world, rank, spec.mics_shard_size, strided=True)
+    # the state is sharded over the MiCS group where there is one, else over all of pg
+    spg, sworld, srank = (shards.pg, shards.size, shards.rank) if shards else (pg, world, rank)
+    make = _GroupMaker.from_spec(spec, sworld, srank, spg)
+    if spec.hpz_partition_size > 1 and world > 1:
+        check_size("zero_hpz_partition_size", spec.hpz_partition_size, world)
+        make = replace(make, hpz=make_subgroup(pg, world, rank, spec.hpz_partition_size))
     groups = [make([params[i] for i in plan.params], [names[i] for i in plan.params], plan,
                    f"group{k}") for k, plan in enumerate(plans)]
     frozen_groups, frozen_units = _frozen_groups(module, params, cap, spec, make) \
@@ -235,8 +271,8 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
         coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
                                        spec.prefetch_bucket_size, spec.max_live_parameters,
                                        spec.max_reuse_distance)
-    grads = _reducer(spec, params, groups, pg, world, comm_dtype, names, cap, coordinator)
-    stepper = ShardStepper(groups, spec.half, spec.offload_optimizer, pg, world, rank)
+    grads = _reducer(spec, params, groups, spg, sworld, comm_dtype, names, cap, coordinator)
+    stepper = ShardStepper(groups, spec.half, spec.offload_optimizer, spg, sworld, srank)
     opt_groups = [[k for k, plan in enumerate(plans) if plan.opt_group == o]
                   for o in range(len(opt_members))]
     trainable = {id(p) for p in params}
@@ -244,7 +280,7 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
                 if id(p) not in trainable and not hasattr(p, "ds_group"))
     return ZeroStrategy(spec.stage, tuple(params), tuple(names), pg, world, groups, grads,
                         stepper, coordinator, opt_groups, whole, make.swapper,
-                        frozen_groups)
+                        frozen_groups, shards, replicas)
 
 
 def _mark_stage3(module: torch.nn.Module, groups: Sequence[FlatGroup]) -> None:
@@ -282,6 +318,7 @@ class _GroupMaker:
     shard_device: torch.device | None = None
     pin: bool = False
     swapper: TensorSwapper | None = None
+    hpz: SubGroup | None = None
 
     @classmethod
     def from_spec(cls, spec: ZeroSpec, world: int, rank: int, pg) -> _GroupMaker:
@@ -297,7 +334,7 @@ class _GroupMaker:
         flat = layout(plan.params, [numel_of(p) for p in members])
         g = FlatGroup(members, member_names, flat, self.world, self.rank, self.pg,
                       plan.partitioned, shard_device=self.shard_device, pin_memory=self.pin,
-                      swapper=self.swapper, key=key)
+                      swapper=self.swapper, key=key, hpz=self.hpz)
         for p in g.params:
             p.ds_group = g
         return g

@@ -42,6 +42,12 @@ class ZeroSpec:
     offload_optimizer: OffloadSpec = field(default_factory=OffloadSpec)
     offload_param: ParamOffload = field(default_factory=ParamOffload)
     gather_16bit_weights_on_model_save: bool = False
+    hpz_partition_size: int = 1
+    mics_shard_size: int = -1
+    """Stage 3 (MiCS): shard over groups of this many consecutive ranks, replicated across
+    the groups (gradients summed over the replicas once per step); -1: off."""
+    """Stage 3 (ZeRO++ hpZ): a second copy of the parameters sharded over groups of this
+    many consecutive ranks, which backward gathers from; 1: off."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> ZeroSpec:
@@ -62,7 +68,9 @@ class ZeroSpec:
                                        bool(offload.pin_memory))
             if offload is not None else ParamOffload(),
             gather_16bit_weights_on_model_save=bool(
-                z.stage3_gather_16bit_weights_on_model_save))
+                z.stage3_gather_16bit_weights_on_model_save),
+            hpz_partition_size=int(z.zero_hpz_partition_size) if partitioned else 1,
+            mics_shard_size=int(z.mics_shard_size) if partitioned else -1)
 
     @property
     def shards_optimizer(self) -> bool:

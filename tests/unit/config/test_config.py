@@ -329,7 +329,7 @@ def test_unimplemented_keys_are_listed_not_raised():
     loaded = load({
         "memory_breakdown": True, "autotuning": {"enabled": True}, "aio": "auto",
         "bf16": {"enabled": True, "immediate_grad_update": True},
-        "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+        "zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8},
                               "offload_optimizer": {"device": "cpu", "super_offload": True}},
         "optimizer": {"type": "AdamW", "legacy_fusion": False, "params": {"foreach": True}},
         "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1}},
@@ -339,7 +339,7 @@ def test_unimplemented_keys_are_listed_not_raised():
         "optimizer.legacy_fusion", "optimizer.params.foreach",
         "scheduler.params.last_batch_iteration",
         "zero_optimization.offload_optimizer.super_offload",
-        "zero_optimization.zero_quantized_weights"]
+        "zero_optimization.zeropp_loco_param"]
 
 
 # ---- DeepSpeed's aliases and legacy forms --------------------------------------------------
@@ -612,4 +612,30 @@ def test_grad_accum_dtype_is_honoured_or_refused(precision, accum, ok):
         assert validate_config(config)[0].data_types.grad_accum_dtype.lower() == accum.lower()
     else:
         with pytest.raises(UsageError, match=r"data_types\.grad_accum_dtype.*training dtype"):
+            validate_config(config)
+
+
+@pytest.mark.parametrize(("zero", "error"), [
+    ({"stage": 3, "zero_hpz_partition_size": 2}, None),
+    ({"stage": 3, "mics_shard_size": -1}, None),
+    ({"stage": 2, "zero_hpz_partition_size": 2}, r"zero_hpz_partition_size 2 needs ZeRO "
+                                                  r"stage 3"),
+    ({"stage": 3, "zero_quantized_weights": True}, r"zero_quantized_weights changes the "
+                                                    r"arithmetic"),
+    ({"stage": 3, "zero_quantized_gradients": True}, r"zero_quantized_gradients"),
+    ({"stage": 3, "zero_quantized_nontrainable_weights": True}, r"nontrainable"),
+    ({"stage": 3, "mics_shard_size": 2}, None),
+    ({"stage": 2, "mics_shard_size": 2}, r"mics_shard_size 2 needs ZeRO stage 3"),
+    ({"stage": 3, "mics_shard_size": 0}, r"mics_shard_size 0 is not a group size"),
+    ({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}, r"MiCS with hpZ"),
+    ({"stage": 3, "mics_hierarchical_params_gather": True}, r"mics_hierarchical"),
+])
+def test_zeropp_keys_are_honoured_or_refused(zero, error):
+    """ZeRO++'s and MiCS's keys used to be warned about and ignored; hpZ and MiCS are
+    built (exact), the quantized variants are refused by name until they are."""
+    config = {"train_batch_size": 2, "zero_optimization": zero}
+    if error is None:
+        assert validate_config(config)[0].zero_optimization.stage == 3
+    else:
+        with pytest.raises(UsageError, match=r"zero_optimization\.\w+.*" + error):
             validate_config(config)
