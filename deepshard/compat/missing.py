@@ -35,8 +35,8 @@ _NVME = ("NVMe offload is the config's zero_optimization.offload_optimizer/offlo
 _CPU_OFFLOAD = "CPU offload is the config's zero_optimization.offload_optimizer.device \"cpu\""
 _MICS = Missing("MiCS (MiCS_Init, MiCS_Optimizer: ZeRO-3 sharded within groups of "
                 "mics_shard_size ranks, replicated across them)",
-                "ZeRO-3 shards over all data-parallel ranks: deepspeed.zero.Init with "
-                "zero_optimization.stage 3")
+                "MiCS is the config's zero_optimization.mics_shard_size at stage 3 (with "
+                "deepspeed.zero.Init to build the model sharded)")
 _CHECKPOINTS = ("engine.save_checkpoint/load_checkpoint; deepshard.get_fp32_state_dict "
                 "consolidates a ZeRO checkpoint")
 

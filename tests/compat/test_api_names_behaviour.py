@@ -396,7 +396,8 @@ def test_every_name_is_the_deepshard_object_the_table_names(got):
 def test_mics_init_is_one_explained_import_error(got):
     assert len(got["mics"]) == 2
     for line in got["mics"]:
-        assert "MiCS" in line and "HINT: ZeRO-3 shards over all data-parallel ranks" in line
+        assert "MiCS" in line and "HINT: MiCS is the config's zero_optimization.mics_shard_" \
+            "size" in line
         assert "\n" not in line
 
 
