@@ -149,8 +149,9 @@ class ZeroConfig(Section):
         "consecutive ranks (a node), and gather from that copy in backward; 1: off.",
         default=1)
     zero_quantized_weights: Bool = doc(
-        "ZeRO++ qwZ (int8 weight all-gather): not built yet, refused when true.",
-        default=False)
+        "Stage 3 (ZeRO++ qwZ): forward's and backward's weight all-gathers carry int8 "
+        "blocks of 256 with a scale each (lossy: within 1/254 of a block's largest "
+        "magnitude); the optimizer's shards stay exact.", default=False)
     zero_quantized_nontrainable_weights: Bool = doc(
         "ZeRO++: frozen weights stored quantized: not built yet, refused when true.",
         default=False)
@@ -193,15 +194,17 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _zeropp_as_far_as_built(self, info: ValidationInfo) -> ZeroConfig:
         log = key_log(info) or KeyLog()
-        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                    "zero_quantized_gradients", "mics_hierarchical_params_gather"):
+        for key in ("zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+                    "mics_hierarchical_params_gather"):
             if getattr(self, key):
                 raise fail(log, key, f"{key} changes the arithmetic of the step and "
                            "deepshard does not implement it yet",
                            f"drop {key} (plain ZeRO-3, or zero_hpz_partition_size for less "
                            "traffic across nodes, is exact)")
         for key, value, off in (("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
-                                ("mics_shard_size", self.mics_shard_size, -1)):
+                                ("mics_shard_size", self.mics_shard_size, -1),
+                                ("zero_quantized_weights", self.zero_quantized_weights,
+                                 False)):
             if value != off and self.stage != 3:
                 raise fail(log, key, f"{key} {value} needs ZeRO stage 3, got stage "
                            f"{self.stage}", f"set zero_optimization.stage to 3, or drop {key}")

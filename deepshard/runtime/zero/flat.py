@@ -27,6 +27,7 @@ import torch.distributed as dist
 from deepshard.comm import collectives as comm
 from deepshard.runtime.zero.init import adopt
 from deepshard.runtime.zero.partition import FlatLayout, ShardSpec
+from deepshard.runtime.zero.quantize import dequantize, pack, quantize, unpack
 from deepshard.runtime.zero.status import ZeroParamStatus
 from deepshard.runtime.zero.subgroups import SubGroup
 from deepshard.runtime.zero.swap import TensorSwapper
@@ -40,7 +41,7 @@ class FlatGroup:
                  flat: FlatLayout, world: int, rank: int, pg: dist.ProcessGroup | None,
                  partitioned: bool, shard_device: torch.device | None = None,
                  pin_memory: bool = False, swapper: TensorSwapper | None = None,
-                 key: str = "", hpz: SubGroup | None = None):
+                 key: str = "", hpz: SubGroup | None = None, qwz_block: int = 0):
         self.params = list(params)
         self.names = tuple(names)
         self.flat = flat
@@ -57,6 +58,13 @@ class FlatGroup:
         self.secondary: torch.Tensor | None = None
         self.secondary_gathers = 0
         """Gathers served from the secondary partition (backward's, under hpZ)."""
+        # ZeRO++ qwZ: forward's and backward's gathers carry int8 blocks of qwz_block
+        # elements with a scale each (quantize.py); every rank computes with the same
+        # dequantized weights, while the shard (what the optimizer steps) stays exact
+        self.qwz_block = qwz_block if partitioned and world > 1 else 0
+        self._qbuf: torch.Tensor | None = None
+        self._dequantized = False
+        self.quantized_gathers = 0
         if self.hpz is not None:
             self.hp_lo, self.hp_hi = ShardSpec(self.spec.padded, self.hpz.size).bounds(
                 self.hpz.rank)
@@ -107,9 +115,11 @@ class FlatGroup:
         """Whether an asynchronous gather was started and not yet waited for."""
         return self._work is not None
 
-    def gather(self, async_op: bool = False) -> None:
+    def gather(self, async_op: bool = False, quantized: bool = False) -> None:
         """Make the full parameters available (partitioned groups); ``async_op`` starts the
-        all-gather and returns; :meth:`wait` (or a later ``gather``) completes it."""
+        all-gather and returns; :meth:`wait` (or a later ``gather``) completes it.
+        ``quantized``: a gather for forward or backward, which qwZ may compress (others,
+        e.g. ``GatheredParameters`` to save the model, are exact)."""
         if self.full is None:
             storage = self._buffer.untyped_storage()
             storage.resize_(self.spec.padded * self._buffer.element_size())
@@ -125,6 +135,15 @@ class FlatGroup:
                 self._work = comm.all_gather_into_tensor(self.full, self.secondary,
                                                          group=self.hpz.pg, async_op=True)
                 self._set_status(ZeroParamStatus.INFLIGHT)
+            elif quantized and self.qwz_block:
+                self.quantized_gathers += 1
+                values, scales = quantize(src, self.qwz_block)
+                packed = pack(values, scales)
+                self._qbuf = torch.empty(packed.numel() * self.spec.world, dtype=torch.uint8,
+                                         device=self.device)
+                self._work = comm.all_gather_into_tensor(self._qbuf, packed, group=self.pg,
+                                                         async_op=True)
+                self._set_status(ZeroParamStatus.INFLIGHT)
             else:
                 self._work = comm.all_gather_into_tensor(self.full, src, group=self.pg,
                                                          async_op=True)
@@ -137,10 +156,22 @@ class FlatGroup:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            if self._qbuf is not None:
+                self._dequantize(self._qbuf)
+                self._qbuf = None
             self.attach()
             self._lodge_shard()
             if self.hpz is not None and self.secondary is None:
                 self.secondary = cast(torch.Tensor, self.full)[self.hp_lo:self.hp_hi].clone()
+
+    def _dequantize(self, gathered: torch.Tensor) -> None:
+        """Every rank's shard, this one's too, from the gathered int8 blocks."""
+        full = cast(torch.Tensor, self.full)
+        shard, each = self.spec.shard, gathered.numel() // self.spec.world
+        for r in range(self.spec.world):
+            values, scales = unpack(gathered[r * each:(r + 1) * each], shard, self.qwz_block)
+            dequantize(values, scales, shard, out=full[r * shard:(r + 1) * shard])
+        self._dequantized = True
 
     def drop_secondary(self) -> None:
         """The shard changed (a step, a load, a write): hpZ's copy is stale until the next
@@ -152,8 +183,8 @@ class FlatGroup:
         same values) and its own storage is freed: a gathered group costs its full size,
         not full plus shard. The shard tensor (the optimizer's parameter) and its
         ``ds_tensor`` views keep their identity; :meth:`_unlodge_shard` moves them out."""
-        if self.shard_elsewhere or self.spec.world == 1:
-            return
+        if self.shard_elsewhere or self.spec.world == 1 or self._dequantized:
+            return  # (dequantized: the buffer holds the shard's approximation, not it)
         storage = cast(torch.Tensor, self.full).untyped_storage()  # gathered
         with torch.no_grad():
             self.shard.set_(storage, self.lo, (self.spec.shard,))
@@ -187,6 +218,7 @@ class FlatGroup:
         self.wait()
         self._unlodge_shard()
         self.full = None
+        self._dequantized = False
         for p in self.params:
             p.data = self._empty
         if keep_taken:

@@ -173,7 +173,7 @@ class Unit:
 
     def gather(self, async_op: bool = False) -> None:
         for g in (*self.groups, *self.frozen):
-            g.gather(async_op=True)
+            g.gather(async_op=True, quantized=True)  # for forward or backward (qwZ)
         if not async_op:
             for g in (*self.groups, *self.frozen):
                 g.wait()
@@ -347,7 +347,7 @@ class ParamCoordinator:
         group = getattr(param, "ds_group", None)
         if group is None or (self._entered is None and not _in_backward()):
             return
-        group.gather()
+        group.gather(quantized=True)
         if id(group) not in self._borrowed:  # held: its unit's release leaves it
             group.holds += 1
             self._borrowed[id(group)] = group

@@ -147,6 +147,7 @@ def train(config_path: str, steps: int, under_init: bool, odd: bool,
                                for p in engine.module.parameters()),
         "frozen": len(frozen), "frozen_whole": sum(p.numel() > 0 for p in frozen),
         "secondary_gathers": sum(g.secondary_gathers for g in zero.groups) if zero else 0,
+        "quantized_gathers": sum(g.quantized_gathers for g in zero.groups) if zero else 0,
         "hpz_ranks": [list(g.hpz.ranks) for g in zero.groups if g.hpz][:1] if zero else [],
         "watch": watch}), flush=True)
 
