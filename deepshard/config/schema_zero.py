@@ -156,8 +156,9 @@ class ZeroConfig(Section):
         "ZeRO++: frozen weights stored quantized: not built yet, refused when true.",
         default=False)
     zero_quantized_gradients: Bool = doc(
-        "ZeRO++ qgZ (quantized gradient reduction): not built yet, refused when true.",
-        default=False)
+        "Stage 3 (ZeRO++ qgZ): gradients reduced through two int8 all-to-alls, inside the "
+        "node (zero_hpz_partition_size ranks, else the ranks per node) then across nodes; "
+        "lossy, synchronous.", default=False)
     mics_shard_size: Int = doc(
         "Stage 3 (MiCS): shard over groups of this many consecutive ranks, replicated "
         "across the groups; -1: off (DeepSpeed 0.19 removed MiCS).", default=-1)
@@ -194,8 +195,7 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _zeropp_as_far_as_built(self, info: ValidationInfo) -> ZeroConfig:
         log = key_log(info) or KeyLog()
-        for key in ("zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-                    "mics_hierarchical_params_gather"):
+        for key in ("zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather"):
             if getattr(self, key):
                 raise fail(log, key, f"{key} changes the arithmetic of the step and "
                            "deepshard does not implement it yet",
@@ -204,6 +204,8 @@ class ZeroConfig(Section):
         for key, value, off in (("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
                                 ("mics_shard_size", self.mics_shard_size, -1),
                                 ("zero_quantized_weights", self.zero_quantized_weights,
+                                 False),
+                                ("zero_quantized_gradients", self.zero_quantized_gradients,
                                  False)):
             if value != off and self.stage != 3:
                 raise fail(log, key, f"{key} {value} needs ZeRO stage 3, got stage "

@@ -308,6 +308,34 @@ def test_qwz_in_half_precision(tmp_path, dtype):
         assert r["losses"][-1] < r["losses"][0]
 
 
+@pytest.mark.parametrize("per_node", [1, 2, 4])
+def test_qgz_reduction_is_within_its_stated_bound(per_node):
+    """The two-level quantized reduction on 4 ranks (4 nodes of 1, 2 of 2, 1 of 4) lands
+    within the bound its module states of the exact sum."""
+    result = run_ds("--num_gpus", "4", str(ROOT / "tests" / "dist" / "scripts" /
+                                           "qgz_probe.py"), str(per_node), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = {r: d for r, (_, d) in tagged_json(result.stdout, "RESULT").items()}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for r in ranks.values():
+        assert 0 < r["err"] <= r["bound"], r
+        assert r["relative"] < 0.02, r
+
+
+def test_qgz_trains_within_its_bound_of_plain_zero3(tmp_path):
+    """qgZ (two levels: nodes of 2, with hpZ) and qwZ together on 4 ranks: the first steps
+    within 1% of plain ZeRO-3 and the training loss by step 100 within 2%."""
+    plain = _probe(tmp_path, 4, 3, steps=100)
+    both = _probe(tmp_path, 4, 3, steps=100, zero_quantized_gradients=True,
+                  zero_quantized_weights=True, zero_hpz_partition_size=2)
+    for r in range(4):
+        got, want = both[r]["losses"], plain[r]["losses"]
+        assert got != want and both[r]["quantized_gathers"] > 0
+        torch.testing.assert_close(got[:10], want[:10], rtol=0.01, atol=0)
+        tail, tail_plain = sum(got[-50:]) / 50, sum(want[-50:]) / 50
+        assert abs(tail - tail_plain) <= 0.02 * tail_plain, (tail, tail_plain)
+
+
 def test_hpz_that_does_not_divide_the_world_is_one_line(tmp_path):
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
                        zero_optimization={"stage": 3, "zero_hpz_partition_size": 3})

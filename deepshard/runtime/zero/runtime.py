@@ -28,6 +28,7 @@ from deepshard.runtime.zero.init import materialize
 from deepshard.runtime.zero.marks import get_z3_leaf_modules
 from deepshard.runtime.zero.optimizer import ShardStepper
 from deepshard.runtime.zero.partition import layout, pieces, plan_groups
+from deepshard.runtime.zero.qgz import QuantizedReduce
 from deepshard.runtime.zero.reducer import GradientReducer
 from deepshard.runtime.zero.spec import ZeroSpec
 from deepshard.runtime.zero.stage1 import Stage1Grads
@@ -278,7 +279,10 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
         coordinator = ParamCoordinator(units, [plan.unit for plan in plans],
                                        spec.prefetch_bucket_size, spec.max_live_parameters,
                                        spec.max_reuse_distance)
-    grads = _reducer(spec, params, groups, spg, sworld, comm_dtype, names, cap, coordinator)
+    qgz = _qgz_plan(spec, spg, sworld, srank) if spec.quantized_gradients and sworld > 1 \
+        else None
+    grads = _reducer(spec, params, groups, spg, sworld, comm_dtype, names, cap, coordinator,
+                     qgz)
     stepper = ShardStepper(groups, spec.half, spec.offload_optimizer, spg, sworld, srank)
     opt_groups = [[k for k, plan in enumerate(plans) if plan.opt_group == o]
                   for o in range(len(opt_members))]
@@ -304,14 +308,33 @@ def _mark_stage3(module: torch.nn.Module, groups: Sequence[FlatGroup]) -> None:
 
 def _reducer(spec: ZeroSpec, params: Sequence[torch.nn.Parameter], groups: list[FlatGroup],
              pg: dist.ProcessGroup | None, world: int, comm_dtype: torch.dtype | None,
-             names: Sequence[str], cap: int, coordinator: ParamCoordinator | None
-             ) -> GradientReducer:
+             names: Sequence[str], cap: int, coordinator: ParamCoordinator | None,
+             qgz: QuantizedReduce | None = None) -> GradientReducer:
     """Stage 1's whole buffers, or the reduce-into-shard of stages 2-3 (which tells the
     coordinator when a unit's gradients are staged)."""
     if not spec.shards_gradients:
         return Stage1Grads(params, groups, pg, world, comm_dtype, names)
     return Stage2Grads(params, groups, pg, world, comm_dtype, names, spec.overlap_comm, cap,
-                       coordinator.on_grads_staged if coordinator else None)
+                       coordinator.on_grads_staged if coordinator else None, qgz)
+
+
+def _qgz_plan(spec: ZeroSpec, pg: dist.ProcessGroup | None, world: int, rank: int
+              ) -> QuantizedReduce:
+    """qgZ's two levels: nodes of ``zero_hpz_partition_size`` ranks when given, else of the
+    launcher's ranks per node (``LOCAL_WORLD_SIZE``) when every rank has the same count and
+    it divides the group; otherwise every rank is its own node (one quantized level)."""
+    import os
+
+    per_node = spec.hpz_partition_size if spec.hpz_partition_size > 1 else \
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    seen = torch.tensor([per_node, -per_node], dtype=torch.int64)
+    comm.all_reduce(seen, op=dist.ReduceOp.MAX, group=pg)
+    if int(seen[0]) != -int(seen[1]) or world % per_node:
+        per_node = 1
+    local = make_subgroup(pg, world, rank, per_node) if per_node > 1 else None
+    cross = make_subgroup(pg, world, rank, per_node, strided=True) \
+        if per_node < world else None
+    return QuantizedReduce(local, cross)
 
 
 @dataclass(frozen=True)

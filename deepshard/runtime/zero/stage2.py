@@ -28,6 +28,7 @@ from deepshard.runtime.backward import outside_error
 from deepshard.runtime.hooks import weak_hook
 from deepshard.runtime.zero.comm import reduce_by_all_reduce, reduce_into_shard
 from deepshard.runtime.zero.flat import FlatGroup
+from deepshard.runtime.zero.qgz import QuantizedReduce, quantized_reduce_into_shard
 
 
 class StagingPool:
@@ -74,8 +75,11 @@ class Stage2Grads:
     def __init__(self, params: Sequence[torch.nn.Parameter], groups: Sequence[FlatGroup],
                  pg: dist.ProcessGroup | None, world: int, comm_dtype: torch.dtype | None,
                  names: Sequence[str], overlap_comm: bool, bucket_elements: int,
-                 on_complete: Callable[[int], None] | None = None):
+                 on_complete: Callable[[int], None] | None = None,
+                 qgz: QuantizedReduce | None = None):
         self.params = list(params)
+        self.qgz = qgz
+        """ZeRO++ qgZ: reduce through quantized all-to-alls (:mod:`.qgz`) instead."""
         self.groups = list(groups)
         self.names = tuple(names)
         self.pg, self.world, self.comm_dtype = pg, world, comm_dtype
@@ -240,7 +244,9 @@ class Stage2Grads:
         wire = staging if self.comm_dtype in (None, staging.dtype) \
             else staging.to(self.comm_dtype)
         work = None
-        if self.world > 1:
+        if self.world > 1 and self.qgz is not None:
+            quantized_reduce_into_shard(wire, g.lo, g.hi, self.qgz)
+        elif self.world > 1:
             work = reduce_into_shard(wire, g.lo, g.hi, self.pg, self.all_reduce)
         self._works.append((work, wire, staging, gi))
         # a group bigger than the pool's buffers (a whole stage 3 unit) stages in a buffer
