@@ -293,6 +293,20 @@ def test_qwz_trains_within_its_bound_of_plain_zero3(tmp_path):
         assert abs(tail - tail_plain) <= 0.02 * tail_plain, (tail, tail_plain)
 
 
+def test_hpz_serves_backward_the_weights_qwz_gave_forward(tmp_path):
+    """hpZ's copy made from a quantized gather holds the dequantized weights: backward
+    computes with what forward did, so qwZ with and without hpZ train bit for bit alike
+    (and the exact shards the optimizer steps are never overwritten by approximations)."""
+    qwz = _probe(tmp_path, 4, 3, "--reentrant", steps=3, zero_quantized_weights=True,
+                 stage3_max_reuse_distance=0)
+    both = _probe(tmp_path, 4, 3, "--reentrant", steps=3, zero_quantized_weights=True,
+                  zero_hpz_partition_size=2, stage3_max_reuse_distance=0)
+    for r in range(4):
+        assert both[r]["secondary_gathers"] > 0
+        assert both[r]["losses"] == qwz[r]["losses"]
+        assert both[r]["checksum"] == qwz[r]["checksum"]
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_qwz_in_half_precision(tmp_path, dtype):
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,

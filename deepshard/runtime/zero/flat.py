@@ -56,6 +56,7 @@ class FlatGroup:
         # second partition over ``hpz`` (a node); backward gathers from those instead
         self.hpz = hpz if partitioned and hpz is not None and hpz.size > 1 else None
         self.secondary: torch.Tensor | None = None
+        self._secondary_exact = True  # (made from a dequantized gather under qwZ: not)
         self.secondary_gathers = 0
         """Gathers served from the secondary partition (backward's, under hpZ)."""
         # ZeRO++ qwZ: forward's and backward's gathers carry int8 blocks of qwz_block
@@ -131,6 +132,7 @@ class FlatGroup:
             elif self.secondary is not None and torch._C._current_graph_task_id() != -1:
                 # in backward: from the node-local copy (the same values, exactly)
                 self.secondary_gathers += 1
+                self._dequantized = not self._secondary_exact  # then the shard stays apart
                 assert self.hpz is not None
                 self._work = comm.all_gather_into_tensor(self.full, self.secondary,
                                                          group=self.hpz.pg, async_op=True)
@@ -163,6 +165,7 @@ class FlatGroup:
             self._lodge_shard()
             if self.hpz is not None and self.secondary is None:
                 self.secondary = cast(torch.Tensor, self.full)[self.hp_lo:self.hp_hi].clone()
+                self._secondary_exact = not self._dequantized
 
     def _dequantize(self, gathered: torch.Tensor) -> None:
         """Every rank's shard, this one's too, from the gathered int8 blocks."""
