@@ -7,7 +7,7 @@ EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: install install-test demo test lint docs bench bench-fanout bench-train bench-zero \
 	bench-parallel bench-hf bench-checkpoint bench-onebit bench-moe bench-long-seq bench-elastic \
-	bench-data-efficiency bench-compile bench-inference plots clean
+	bench-data-efficiency bench-compile bench-inference bench-zeropp plots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -109,6 +109,10 @@ bench-long-seq: install-test
 # namespace hosts with their own sshd (root, iproute2, openssh-server), ds-run vs torchrun
 bench-elastic: install
 	$(PY) benchmarks/elastic.py
+
+# ZeRO++ and MiCS on 2 namespace hosts with tc-capped links (root), beside DeepSpeed's
+bench-zeropp: install
+	$(PY) benchmarks/zeropp.py
 
 # the README's PNGs (docs/plots/) from the benchmarks' JSON records (benchmarks/results/)
 plots: $(VENV)/.installed-plot

@@ -20,9 +20,11 @@ script reads them and writes one PNG per benchmark (matplotlib, Agg backend, 800
                  greedy generation tokens/s and peak RSS per rank (and its import
                  baseline), GPT-2 and LLaMA at batch 1 and 8: deepshard tp 1/2, fp32/int8,
                  beside HF generate and DeepSpeed
+    zeropp.png   ZeRO-3, hpZ, qwZ+qgZ, all three and MiCS across two capped hosts: step
+                 time by link speed and the bytes crossing hosts, beside DeepSpeed's
 
     python benchmarks/plot.py [--results benchmarks/results] [--out docs/plots]
-                              [--only zero,fanout,...,zero_compile,inference]
+                              [--only zero,fanout,...,inference,zeropp]
 
 A missing or malformed record is one line naming the file, and exit status 2. Every
 number drawn comes from a record; the footer gives the run's date, commit and load.
@@ -46,7 +48,7 @@ WIDTH_IN, DPI = 8.0, 100
 PLOTS = {"zero": "zero", "fanout": "fanout", "bubble": "parallel", "launch": "launch",
          "elastic": "elastic", "moe": "moe", "long_seq": "long_seq",
          "data_efficiency": "data_efficiency", "zero_compile": "zero_compile",
-         "inference": "inference"}
+         "inference": "inference", "zeropp": "zeropp"}
 """Plot name -> the benchmark record it draws."""
 SOURCES = {"zero_compile": "zero.py --compile"}
 """Record name -> the command that writes it, where that is not ``<name>.py``."""
@@ -730,13 +732,71 @@ def _inference_legend(fig, axes, order: list[str]) -> None:
                bbox_to_anchor=(0.5, 0.94), frameon=False)
 
 
-DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
-        "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq,
-        "data_efficiency": plot_data_efficiency, "zero_compile": plot_zero_compile,
-        "inference": plot_inference}
+# ---------------------------------------------------------------- zeropp.png
+
+ZEROPP_COLORS = {"deepshard": COLORS["deepshard"], "deepspeed": COLORS["DeepSpeed"]}
+
+
+def plot_zeropp(data: dict):
+    """Top: seconds per step of each variant (deepshard, then DeepSpeed's) at each link
+    speed, labelled with its ratio to the same runtime's plain ZeRO-3. Bottom: MB crossing
+    hosts per step (the same at every speed: the first one's)."""
+    ran = [r for r in data["rows"] if r["status"] == "ok"]
+    if not ran:
+        raise PlotError("no row that ran")
+    rates = list(dict.fromkeys(r["rate"] for r in ran))
+    bars = list(dict.fromkeys((r["runtime"], r["variant"]) for r in ran))
+    fig, (top, bottom) = _figure(6.4, 2)
+    width = 0.8 / len(rates)
+    for k, rate in enumerate(rates):
+        for i, (runtime, variant) in enumerate(bars):
+            row = next((r for r in ran if (r["runtime"], r["variant"], r["rate"]) ==
+                        (runtime, variant, rate)), None)
+            base = next((r for r in ran if (r["runtime"], r["variant"], r["rate"]) ==
+                         (runtime, "ZeRO-3", rate)), None)
+            if row is None:
+                continue
+            x = i + (k - (len(rates) - 1) / 2) * width
+            top.bar(x, row["step_s"], width * 0.95, color=ZEROPP_COLORS[runtime],
+                    alpha=1.0 - 0.45 * k, label=f"{runtime}, {rate}" if i == 0 or
+                    (runtime, variant) == next(b for b in bars if b[0] == runtime) else None)
+            if base is not None:
+                top.annotate(f"{row['step_s'] / base['step_s']:.2f}x", (x, row["step_s"]),
+                             textcoords="offset points", xytext=(0, 2), ha="center",
+                             fontsize=6)
+    first = [next(r for r in ran if (r["runtime"], r["variant"]) == b and
+                  r["rate"] == rates[0]) for b in bars]
+    bottom.bar(range(len(bars)), [r["cross_host_bytes"] / 1e6 for r in first], 0.6,
+               color=[ZEROPP_COLORS[r["runtime"]] for r in first])
+    for i, r in enumerate(first):
+        bottom.annotate(f"{r['cross_host_bytes'] / 1e6:.0f}", (i, r["cross_host_bytes"] / 1e6),
+                        textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
+    labels = [f"{v}\n({'DeepSpeed' if rt == 'deepspeed' else 'deepshard'})" for rt, v in bars]
+    for ax in (top, bottom):
+        ax.set_xticks(range(len(bars)), labels, fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    handles, names = top.get_legend_handles_labels()
+    seen = dict(zip(names, handles, strict=True))
+    top.set_ylim(0, top.get_ylim()[1] * 1.25)
+    top.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center", ncol=4)
+    top.set_ylabel("seconds per step (median)", fontsize=8)
+    top.set_title("Stage 3 on 2 hosts x 2 ranks, links capped with tc (labels: vs the "
+                  "runtime's plain ZeRO-3)", fontsize=9)
+    bottom.set_ylabel("MB crossing hosts per step", fontsize=8)
+    bottom.set_title("Traffic between the hosts (each host's eth0 transmit counter)",
+                     fontsize=9)
+    _layout(fig)
+    return fig
 
 
 # ---------------------------------------------------------------- command line
+
+DRAW = {"zero": plot_zero, "fanout": plot_fanout, "bubble": plot_bubble, "launch": plot_launch,
+        "elastic": plot_elastic, "moe": plot_moe, "long_seq": plot_long_seq,
+        "data_efficiency": plot_data_efficiency, "zero_compile": plot_zero_compile,
+        "inference": plot_inference, "zeropp": plot_zeropp}
+
 
 def draw(name: str, results: Path, out: Path) -> Path:
     """Read ``name``'s record from ``results`` and write ``out/<name>.png``; its path."""

@@ -153,7 +153,8 @@ class ZeroConfig(Section):
         "blocks of 256 with a scale each (lossy: within 1/254 of a block's largest "
         "magnitude); the optimizer's shards stay exact.", default=False)
     zero_quantized_nontrainable_weights: Bool = doc(
-        "ZeRO++: frozen weights stored quantized: not built yet, refused when true.",
+        "Stage 3 (ZeRO++): frozen parameters' shards kept as int8 blocks of 256 with a "
+        "scale each (and gathered as such): a quarter of fp32's memory, lossy.",
         default=False)
     zero_quantized_gradients: Bool = doc(
         "Stage 3 (ZeRO++ qgZ): gradients reduced through two int8 all-to-alls, inside the "
@@ -195,18 +196,18 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _zeropp_as_far_as_built(self, info: ValidationInfo) -> ZeroConfig:
         log = key_log(info) or KeyLog()
-        for key in ("zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather"):
-            if getattr(self, key):
-                raise fail(log, key, f"{key} changes the arithmetic of the step and "
-                           "deepshard does not implement it yet",
-                           f"drop {key} (plain ZeRO-3, or zero_hpz_partition_size for less "
-                           "traffic across nodes, is exact)")
+        if self.mics_hierarchical_params_gather:
+            key = "mics_hierarchical_params_gather"
+            raise fail(log, key, f"{key} changes how MiCS gathers and deepshard does not "
+                       "implement it yet", f"drop {key} (mics_shard_size alone works)")
         for key, value, off in (("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
                                 ("mics_shard_size", self.mics_shard_size, -1),
                                 ("zero_quantized_weights", self.zero_quantized_weights,
                                  False),
                                 ("zero_quantized_gradients", self.zero_quantized_gradients,
-                                 False)):
+                                 False),
+                                ("zero_quantized_nontrainable_weights",
+                                 self.zero_quantized_nontrainable_weights, False)):
             if value != off and self.stage != 3:
                 raise fail(log, key, f"{key} {value} needs ZeRO stage 3, got stage "
                            f"{self.stage}", f"set zero_optimization.stage to 3, or drop {key}")

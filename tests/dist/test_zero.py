@@ -350,6 +350,22 @@ def test_qgz_trains_within_its_bound_of_plain_zero3(tmp_path):
         assert abs(tail - tail_plain) <= 0.02 * tail_plain, (tail, tail_plain)
 
 
+def test_frozen_weights_stored_quantized_for_lora(tmp_path):
+    """zero_quantized_nontrainable_weights on a LoRA model: the frozen base's shards are
+    held as int8 blocks (about a quarter of their fp32 bytes), its weights move by at most
+    their quantization step, and training follows plain ZeRO-3 within 1%."""
+    plain = _probe(tmp_path, 4, 3, "--lora", steps=5)
+    packed = _probe(tmp_path, 4, 3, "--lora", steps=5, zero_quantized_nontrainable_weights=True)
+    for r in range(4):
+        torch.testing.assert_close(packed[r]["losses"], plain[r]["losses"], rtol=0.01, atol=0)
+        assert packed[r]["losses"] != plain[r]["losses"]
+        frozen_fp32 = sum(4 * -(-n // 4) for n, part, _ in plain[r]["frozen_groups"] if part)
+        saved = plain[r]["state_bytes"]["params"] - packed[r]["state_bytes"]["params"]
+        assert 0.7 * frozen_fp32 <= saved <= 0.76 * frozen_fp32, (saved, frozen_fp32)
+        assert abs(packed[r]["checksum_frozen"] - plain[r]["checksum_frozen"]) <= \
+            1e-2 * abs(plain[r]["checksum_frozen"]) + 1e-3
+
+
 def test_hpz_that_does_not_divide_the_world_is_one_line(tmp_path):
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
                        zero_optimization={"stage": 3, "zero_hpz_partition_size": 3})

@@ -41,7 +41,8 @@ class FlatGroup:
                  flat: FlatLayout, world: int, rank: int, pg: dist.ProcessGroup | None,
                  partitioned: bool, shard_device: torch.device | None = None,
                  pin_memory: bool = False, swapper: TensorSwapper | None = None,
-                 key: str = "", hpz: SubGroup | None = None, qwz_block: int = 0):
+                 key: str = "", hpz: SubGroup | None = None, qwz_block: int = 0,
+                 store_block: int = 0):
         self.params = list(params)
         self.names = tuple(names)
         self.flat = flat
@@ -66,6 +67,10 @@ class FlatGroup:
         self._qbuf: torch.Tensor | None = None
         self._dequantized = False
         self.quantized_gathers = 0
+        # ZeRO++ zero_quantized_nontrainable_weights: a frozen group's shard is kept as
+        # int8 blocks of store_block (with their scales), gathered as such
+        self._packed: torch.Tensor | None = None
+        self.store_block = 0
         if self.hpz is not None:
             self.hp_lo, self.hp_hi = ShardSpec(self.spec.padded, self.hpz.size).bounds(
                 self.hpz.rank)
@@ -98,6 +103,10 @@ class FlatGroup:
             self.shard.copy_(full[self.lo:self.hi])
             if self.swapper is not None:
                 self.swapper.write(self.key, self.shard).result()
+                self.shard = None
+            elif store_block:
+                self.store_block = store_block
+                self._packed = pack(*quantize(self.shard, store_block))
                 self.shard = None
             self.release()
             self._show_shards()  # the shard is written in place from now on: views stay true
@@ -137,10 +146,10 @@ class FlatGroup:
                 self._work = comm.all_gather_into_tensor(self.full, self.secondary,
                                                          group=self.hpz.pg, async_op=True)
                 self._set_status(ZeroParamStatus.INFLIGHT)
-            elif quantized and self.qwz_block:
+            elif self._packed is not None or (quantized and self.qwz_block):
                 self.quantized_gathers += 1
-                values, scales = quantize(src, self.qwz_block)
-                packed = pack(values, scales)
+                packed = self._packed if self._packed is not None else \
+                    pack(*quantize(src, self.qwz_block))
                 self._qbuf = torch.empty(packed.numel() * self.spec.world, dtype=torch.uint8,
                                          device=self.device)
                 self._work = comm.all_gather_into_tensor(self._qbuf, packed, group=self.pg,
@@ -172,7 +181,9 @@ class FlatGroup:
         full = cast(torch.Tensor, self.full)
         shard, each = self.spec.shard, gathered.numel() // self.spec.world
         for r in range(self.spec.world):
-            values, scales = unpack(gathered[r * each:(r + 1) * each], shard, self.qwz_block)
+            values, scales = unpack(gathered[r * each:(r + 1) * each], shard,
+                                    self.store_block if self._packed is not None
+                                    else self.qwz_block)
             dequantize(values, scales, shard, out=full[r * shard:(r + 1) * shard])
         self._dequantized = True
 
@@ -245,7 +256,7 @@ class FlatGroup:
     def _show_shards(self) -> None:
         """DeepSpeed's ``param.ds_tensor``: the part of each parameter this rank holds, a
         view of the shard (empty where the shard holds none of it, or lives in a file)."""
-        shard = self.shard if self.swapper is None else None
+        shard = self.shard if self.swapper is None and self._packed is None else None
         for p, off, n in zip(self.params, self.flat.offsets, self.flat.numels, strict=True):
             lo, hi = max(off, self.lo), min(off + n, self.hi)
             p.ds_tensor = shard[lo - self.lo:hi - self.lo] if shard is not None and hi > lo \
@@ -270,7 +281,11 @@ class FlatGroup:
             self.write_shard(cast(torch.Tensor, self.full)[self.lo:self.hi])  # gathered
 
     def read_shard(self) -> torch.Tensor:
-        """This rank's shard (from its file, with ``offload_param`` nvme)."""
+        """This rank's shard (from its file, with ``offload_param`` nvme; dequantized, when
+        stored quantized)."""
+        if self._packed is not None:
+            values, scales = unpack(self._packed, self.spec.shard, self.store_block)
+            return dequantize(values, scales, self.spec.shard, dtype=self.dtype)
         if self.swapper is None:
             return self.shard
         buf = torch.empty(self.spec.shard, dtype=self.dtype)
@@ -280,6 +295,9 @@ class FlatGroup:
     def write_shard(self, values: torch.Tensor) -> None:
         """Replace this rank's shard with ``values`` (cast to the group's dtype)."""
         self.drop_secondary()
+        if self._packed is not None:
+            self._packed = pack(*quantize(values.detach().to(self.dtype), self.store_block))
+            return
         if self.swapper is None:
             with torch.no_grad():
                 self.shard.copy_(values)
@@ -292,7 +310,7 @@ class FlatGroup:
     def write_shard_piece(self, where: slice, values: torch.Tensor) -> None:
         """Overwrite ``shard[where]`` with ``values`` (cast to the group's dtype)."""
         self.drop_secondary()
-        if self.swapper is None:
+        if self.swapper is None and self._packed is None:
             with torch.no_grad():
                 self.shard[where].copy_(values)
             return
@@ -303,7 +321,8 @@ class FlatGroup:
     @property
     def shard_elsewhere(self) -> bool:
         """Whether the shard is not an in-memory tensor on the compute device."""
-        return self.swapper is not None or self.shard_device != self.device
+        return self.swapper is not None or self._packed is not None or \
+            self.shard_device != self.device
 
     def nbytes_nvme(self) -> int:
         """Bytes of this rank's shard held in a file."""
@@ -318,5 +337,7 @@ class FlatGroup:
         size = self._empty.element_size()
         if self.swapper is not None:
             return 0
+        if self._packed is not None:
+            return self._packed.numel()
         held = self.spec.shard if self.partitioned else self.spec.padded
         return (held + (self.secondary.numel() if self.secondary is not None else 0)) * size

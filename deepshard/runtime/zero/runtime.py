@@ -266,7 +266,8 @@ def build_zero(spec: ZeroSpec, module: torch.nn.Module, names: Sequence[str],
         make = replace(make, hpz=make_subgroup(pg, world, rank, spec.hpz_partition_size))
     groups = [make([params[i] for i in plan.params], [names[i] for i in plan.params], plan,
                    f"group{k}") for k, plan in enumerate(plans)]
-    frozen_groups, frozen_units = _frozen_groups(module, params, cap, spec, make) \
+    frozen_make = replace(make, store_block=QWZ_BLOCK) if spec.quantized_nontrainable else make
+    frozen_groups, frozen_units = _frozen_groups(module, params, cap, spec, frozen_make) \
         if units_plan is not None else ([], [])
     materialize(module)  # zero.Init parameters that no group took (small frozen ones)
     coordinator = None
@@ -350,6 +351,7 @@ class _GroupMaker:
     swapper: TensorSwapper | None = None
     hpz: SubGroup | None = None
     qwz_block: int = 0
+    store_block: int = 0
 
     @classmethod
     def from_spec(cls, spec: ZeroSpec, world: int, rank: int, pg) -> _GroupMaker:
@@ -366,7 +368,7 @@ class _GroupMaker:
         g = FlatGroup(members, member_names, flat, self.world, self.rank, self.pg,
                       plan.partitioned, shard_device=self.shard_device, pin_memory=self.pin,
                       swapper=self.swapper, key=key, hpz=self.hpz,
-                      qwz_block=self.qwz_block)
+                      qwz_block=self.qwz_block, store_block=self.store_block)
         for p in g.params:
             p.ds_group = g
         return g

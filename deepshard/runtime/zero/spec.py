@@ -47,6 +47,8 @@ class ZeroSpec:
     """Stage 3 (ZeRO++ qwZ): forward's and backward's gathers carry int8 blocks."""
     quantized_gradients: bool = False
     """Stage 3 (ZeRO++ qgZ): gradients reduced through two int8 all-to-alls."""
+    quantized_nontrainable: bool = False
+    """Stage 3 (ZeRO++): frozen parameters' shards stored (and gathered) as int8 blocks."""
     mics_shard_size: int = -1
     """Stage 3 (MiCS): shard over groups of this many consecutive ranks, replicated across
     the groups (gradients summed over the replicas once per step); -1: off."""
@@ -76,7 +78,9 @@ class ZeroSpec:
             hpz_partition_size=int(z.zero_hpz_partition_size) if partitioned else 1,
             mics_shard_size=int(z.mics_shard_size) if partitioned else -1,
             quantized_weights=bool(z.zero_quantized_weights) and partitioned,
-            quantized_gradients=bool(z.zero_quantized_gradients) and partitioned)
+            quantized_gradients=bool(z.zero_quantized_gradients) and partitioned,
+            quantized_nontrainable=bool(z.zero_quantized_nontrainable_weights)
+            and partitioned)
 
     @property
     def shards_optimizer(self) -> bool:

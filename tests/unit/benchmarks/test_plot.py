@@ -27,12 +27,13 @@ import plot
 import record
 import zero
 import zero_compile
+import zeropp
 from train import Outcome
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEIGHTS = {"zero": 660, "fanout": 420, "bubble": 620, "launch": 340, "elastic": 440,
            "moe": 740, "long_seq": 640, "data_efficiency": 460, "zero_compile": 740,
-           "inference": 800}
+           "inference": 800, "zeropp": 640}
 """Each plot's expected size in pixels: 800 wide, this high."""
 
 
@@ -209,6 +210,20 @@ def test_the_inference_plot_lists_what_did_not_run_once_per_status_over_the_arch
         "gpt2 deepspeed tp 2 fp32: not runnable: AssertionError: AutoTP not supported"]
 
 
+def zeropp_record() -> dict:
+    rows = []
+    for rate, slow in (("1gbit", 1.0), ("200mbit", 4.0)):
+        for runtime, variants in (("deepshard", zeropp.VARIANTS), ("deepspeed", zeropp.DEEPSPEED)):
+            for k, variant in enumerate(variants):
+                rows.append({"rate": rate, "runtime": runtime, "variant": variant,
+                             "status": "ok", "step_s": 4.0 + slow * (5 - k),
+                             "times_s": [4.0], "loss": 5.8,
+                             "cross_host_bytes": 6.5e8 / (k + 1)})
+    rows.append({"rate": "200mbit", "runtime": "deepspeed", "variant": "MiCS",
+                 "status": "failed: removed in 0.19"})
+    return record.Run("zeropp", {"steps": 2}).to_dict(rows, zeropp.table(rows))
+
+
 @pytest.fixture
 def results(tmp_path):
     """A results folder with one record per benchmark, as the scripts write them."""
@@ -216,7 +231,8 @@ def results(tmp_path):
     folder.mkdir()
     for data in (zero_record(), parallel_record(), fanout_record(), launch_record(),
                  elastic_record(), moe_record(), long_seq_record(),
-                 data_efficiency_record(), zero_compile_record(), inference_record()):
+                 data_efficiency_record(), zero_compile_record(), inference_record(),
+                 zeropp_record()):
         (folder / f"{data['benchmark']}.json").write_text(json.dumps(data))
     return folder
 
