@@ -3,6 +3,7 @@ DeepSpeed, with the variant's keys; prints ``RESULT <json>`` (rank 0: step times
 each host's first rank: the bytes its host sent across the network per step).
 
     python benchmarks/zeropp_worker.py deepshard|deepspeed '<zero_optimization JSON>' STEPS
+                                       ['<GPTConfig overrides JSON>']
 """
 
 import json
@@ -26,7 +27,9 @@ def host_tx_bytes() -> int:
 
 
 def main() -> None:
-    runtime, zero, steps = sys.argv[-3], json.loads(sys.argv[-2]), int(sys.argv[-1])
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    runtime, zero, steps = args[0], json.loads(args[1]), int(args[2])
+    shape = json.loads(args[3]) if len(args) > 3 else {}
     torch.set_num_threads(1)
     if runtime == "deepspeed":
         import deepspeed as lib
@@ -39,7 +42,7 @@ def main() -> None:
         lib.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = GPTConfig()
+    cfg = GPTConfig(**shape)
     model = GPT(cfg)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "train_batch_size": MICRO * world, "gradient_clipping": 0.0,

@@ -278,11 +278,12 @@ def test_mics_checkpoints_resume_exactly_and_reshard(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_qwz_in_half_precision(tmp_path, dtype):
+def test_qwz_and_qgz_in_half_precision(tmp_path, dtype):
     cfg = write_config(tmp_path, train_micro_batch_size_per_gpu=2, optimizer=ADAMW,
                        **{dtype: {"enabled": True}},
                        zero_optimization={**zero_section(3, "none", tmp_path),
-                                          "zero_quantized_weights": True})
+                                          "zero_quantized_weights": True,
+                                          "zero_quantized_gradients": True})
     result = run_ds("--num_gpus", "2", ZPROBE, "train", cfg, "5", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = {r: d for r, (_, d) in tagged_json(result.stdout, "RESULT").items()}
