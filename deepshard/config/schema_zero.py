@@ -211,6 +211,12 @@ class ZeroConfig(Section):
             if value != off and self.stage != 3:
                 raise fail(log, key, f"{key} {value} needs ZeRO stage 3, got stage "
                            f"{self.stage}", f"set zero_optimization.stage to 3, or drop {key}")
+        offload = self.offload_param
+        if self.zero_quantized_nontrainable_weights and offload is not None and \
+                offload.device == "nvme":
+            raise fail(log, "zero_quantized_nontrainable_weights", "frozen weights stored "
+                       "quantized cannot also be swapped to NVMe (offload_param nvme)",
+                       "drop one of them (offload_param cpu works with it)")
         if self.mics_shard_size == 0 or self.mics_shard_size < -1:
             raise fail(log, "mics_shard_size", f"mics_shard_size {self.mics_shard_size} is "
                        "not a group size", "give a number of ranks, or -1 for off")

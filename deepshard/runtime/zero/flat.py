@@ -148,8 +148,8 @@ class FlatGroup:
                 self._set_status(ZeroParamStatus.INFLIGHT)
             elif self._packed is not None or (quantized and self.qwz_block):
                 self.quantized_gathers += 1
-                packed = self._packed if self._packed is not None else \
-                    pack(*quantize(src, self.qwz_block))
+                packed = self._packed.to(self.device, non_blocking=True) \
+                    if self._packed is not None else pack(*quantize(src, self.qwz_block))
                 self._qbuf = torch.empty(packed.numel() * self.spec.world, dtype=torch.uint8,
                                          device=self.device)
                 self._work = comm.all_gather_into_tensor(self._qbuf, packed, group=self.pg,

@@ -633,6 +633,8 @@ def test_grad_accum_dtype_is_honoured_or_refused(precision, accum, ok):
     ({"stage": 3, "mics_shard_size": 0}, r"mics_shard_size 0 is not a group size"),
     ({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}, r"MiCS with hpZ"),
     ({"stage": 3, "mics_hierarchical_params_gather": True}, r"mics_hierarchical"),
+    ({"stage": 3, "zero_quantized_nontrainable_weights": True,
+      "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, r"swapped to NVMe"),
 ])
 def test_zeropp_keys_are_honoured_or_refused(zero, error):
     """ZeRO++'s and MiCS's keys used to be warned about and ignored; every one is built
