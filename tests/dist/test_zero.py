@@ -256,19 +256,28 @@ def test_mics_shards_in_pairs_and_trains_like_plain_zero3(tmp_path):
             assert abs(held[key] - 2 * quarter[key]) <= 0.01 * held[key], key
 
 
-def test_mics_checkpoints_resume_exactly_and_reshard(tmp_path):
-    """A MiCS run saved at step 3 resumes bit for bit under MiCS, and loads into plain
-    ZeRO-3 on 2 ranks, whose curve goes on as the one-process reference's."""
-    mics = {**zero_section(3, "none", tmp_path), "mics_shard_size": 2}
-    whole = train(tmp_path, 4, 2, 1, mics, 6, tmp_path / "a", save_interval=3)
-    train(tmp_path, 4, 2, 1, mics, 3, tmp_path / "b", save_interval=3)
+def _resume_and_reshard(tmp_path, variant: dict) -> tuple[dict, dict]:
+    """``variant`` on 4 ranks: 6 steps whole (checkpoint ``a``), and 3 steps (``b``, copied
+    to ``c``) resumed to 6, which must equal the whole run's; then ``c``'s step-3 checkpoint
+    resumed by plain ZeRO-3 on 2 ranks to 6. Returns (the whole run's losses, the plain
+    run's)."""
+    zero = {**zero_section(3, "none", tmp_path), **variant}
+    whole = train(tmp_path, 4, 2, 1, zero, 6, tmp_path / "a", save_interval=3)
+    train(tmp_path, 4, 2, 1, zero, 3, tmp_path / "b", save_interval=3)
     shutil.copytree(tmp_path / "b", tmp_path / "c")
-    resumed = train(tmp_path, 4, 2, 1, mics, 6, tmp_path / "b", save_interval=3)
+    resumed = train(tmp_path, 4, 2, 1, zero, 6, tmp_path / "b", save_interval=3)
     assert {s: whole[s] for s in (4, 5, 6)} == resumed
     plain = train(tmp_path, 2, 4, 1, zero_section(3, "none", tmp_path), 6, tmp_path / "c",
                   save_interval=6)
     assert sorted(plain) == [4, 5, 6]
-    curve = [float({**whole, **plain}[s]) if s > 3 else float(whole[s]) for s in range(1, 7)]
+    return whole, plain
+
+
+def test_mics_checkpoints_resume_exactly_and_reshard(tmp_path):
+    """A MiCS run saved at step 3 resumes bit for bit under MiCS, and loads into plain
+    ZeRO-3 on 2 ranks, whose curve goes on as the one-process reference's."""
+    whole, plain = _resume_and_reshard(tmp_path, {"mics_shard_size": 2})
+    curve = [float({**whole, **plain}[s]) for s in range(1, 7)]
     want, want_state = reference(6, 8)
     torch.testing.assert_close(curve, want, rtol=2e-5, atol=0)
     assert_weights_close(deepshard.get_fp32_state_dict(tmp_path / "c"), want_state,
@@ -331,16 +340,9 @@ def test_quantized_zeropp_trains_within_its_bound_of_plain_zero3(tmp_path):
 def test_every_variant_resumes_exactly_and_reshards(tmp_path):
     """hpZ + qwZ + qgZ: a run resumed from its step-3 checkpoint continues bit for bit, and
     the checkpoint loads into plain ZeRO-3 on 2 ranks, which goes on near the reference."""
-    every = {**zero_section(3, "none", tmp_path), "zero_hpz_partition_size": 2,
-             "zero_quantized_weights": True, "zero_quantized_gradients": True}
-    whole = train(tmp_path, 4, 2, 1, every, 6, tmp_path / "a", save_interval=3)
-    train(tmp_path, 4, 2, 1, every, 3, tmp_path / "b", save_interval=3)
-    shutil.copytree(tmp_path / "b", tmp_path / "c")
-    resumed = train(tmp_path, 4, 2, 1, every, 6, tmp_path / "b", save_interval=3)
-    assert {s: whole[s] for s in (4, 5, 6)} == resumed
-    plain = train(tmp_path, 2, 4, 1, zero_section(3, "none", tmp_path), 6, tmp_path / "c",
-                  save_interval=6)
-    assert sorted(plain) == [4, 5, 6]
+    _, plain = _resume_and_reshard(tmp_path, {"zero_hpz_partition_size": 2,
+                                              "zero_quantized_weights": True,
+                                              "zero_quantized_gradients": True})
     want, _ = reference(6, 8)
     torch.testing.assert_close([float(plain[s]) for s in (4, 5, 6)], want[3:], rtol=0.01,
                                atol=0)
